@@ -1,0 +1,18 @@
+"""hf_sp_trainer: exact Ulysses sequence parallelism for the Hugging Face Trainer."""
+
+from .arguments import SequenceParallelArguments, TrainingArguments
+from .attention import ULYSSES_KEY, UlyssesAttention
+from .collators import SPDataCollator
+from .trainer import SequenceParallelMixin, SPTrainer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ULYSSES_KEY",
+    "SPDataCollator",
+    "SPTrainer",
+    "SequenceParallelArguments",
+    "SequenceParallelMixin",
+    "TrainingArguments",
+    "UlyssesAttention",
+]

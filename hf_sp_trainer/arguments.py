@@ -1,0 +1,42 @@
+"""``TrainingArguments`` with sequence-parallel fields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import transformers
+
+from .topology import check_world
+
+
+@dataclass
+class SequenceParallelArguments:
+    """The SP fields, shared by ``TrainingArguments`` and ``SFTConfig``."""
+
+    sp_size: int = field(
+        default=1,
+        metadata={
+            "help": "Ulysses sequence-parallel size: each sequence is split over this many ranks (world = dp x sp). "
+            "1 disables sequence parallelism."
+        },
+    )
+    sp_attn_implementation: str | None = field(
+        default=None,
+        metadata={
+            "help": "Attention kernel run on the full sequence inside Ulysses SP: sdpa, eager, flex_attention, "
+            "flash_attention_2/3 or any key registered in transformers.AttentionInterface. Default: the model's "
+            "own attention implementation."
+        },
+    )
+
+    def _check_sequence_parallel(self) -> None:
+        check_world(self.sp_size, self.world_size if self.sp_size > 1 else 1)
+
+
+@dataclass
+class TrainingArguments(transformers.TrainingArguments, SequenceParallelArguments):
+    """``transformers.TrainingArguments`` plus ``sp_size`` and ``sp_attn_implementation``."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_sequence_parallel()

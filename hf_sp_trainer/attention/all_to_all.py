@@ -1,0 +1,48 @@
+"""Communication primitives of Ulysses sequence parallelism.
+
+Every buffer handed to a collective is contiguous: gloo silently writes garbage into non-contiguous outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    send = torch.stack(x.chunk(world, dim=scatter_dim))  # [world, ...]: chunk j goes to rank j
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=gather_dim)  # chunk j came from rank j
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group):  # type: ignore[override]
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return _all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad.contiguous(), gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Split ``x`` into P chunks along ``scatter_dim``, send chunk j to rank j, concatenate what arrives along
+    ``gather_dim``. Differentiable: the backward is the inverse all-to-all."""
+    return _AllToAll.apply(x, scatter_dim, gather_dim, group)
+
+
+def all_gather_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenate equally shaped tensors of every rank of ``group`` along ``dim`` (no autograd)."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)

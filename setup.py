@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="hf_sp_trainer",
+    version="0.1.0",
+    description="Exact Ulysses sequence parallelism for the Hugging Face Trainer and TRL",
+    packages=find_packages(include=["hf_sp_trainer", "hf_sp_trainer.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.6", "transformers>=5.24,<6", "accelerate>=1.15", "datasets>=4"],
+    extras_require={
+        "test": ["pytest>=8", "ruff"],
+        "trl": ["trl>=1.16,<2"],
+        "peft": ["peft>=0.17"],
+        "deepspeed": ["deepspeed>=0.18"],
+        "liger": ["liger-kernel"],
+        "flash": ["flash-attn"],
+    },
+)

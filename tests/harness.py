@@ -1,0 +1,240 @@
+"""Shared test harness: tiny models from configs, synthetic data, spawned gloo process groups, and the
+reference-vs-SP comparison of per-step loss, grad_norm, eval_loss and final parameters."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import socket
+import tempfile
+import traceback
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+VOCAB = 128
+FAMILIES = {
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+    "mistral": "MistralConfig",
+    "gemma3": "Gemma3TextConfig",
+    "phi3": "Phi3Config",
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# process groups
+# ----------------------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        result = ("ok", fn(*args))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
+        result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    if dist.is_initialized():
+        if result[0] == "ok":
+            dist.barrier()  # avoids a sporadic gloo abort at exit
+        dist.destroy_process_group()
+
+
+def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 1200) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` spawned CPU processes (gloo); return each rank's result.
+
+    If any rank raised, returns the per-rank ``("error", message)`` tuples in place of results.
+    """
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out_dir)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        results = []
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                results.append(("error", f"rank {r} died or hung (exit code {procs[r].exitcode})"))
+                continue
+            with open(path, "rb") as f:
+                results.append(pickle.load(f))
+    if any(status == "error" for status, _ in results):
+        return results
+    return [value for _, value in results]
+
+
+def unwrap_results(results: list[Any]) -> list[Any]:
+    errors = [r[1] for r in results if isinstance(r, tuple) and len(r) == 2 and r[0] == "error"]
+    if errors:
+        raise AssertionError("distributed run failed:\n" + "\n".join(errors))
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# models and data
+# ----------------------------------------------------------------------------------------------------------------
+def tiny_model(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
+    import transformers
+
+    config_cls = getattr(transformers, FAMILIES[family])
+    base = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, tie_word_embeddings=False, use_cache=False,  # sdpa honours packing only without a cache
+    )
+    if family == "mistral":
+        base["sliding_window"] = 12
+    if family == "qwen2":
+        base.update(use_sliding_window=True, sliding_window=12, max_window_layers=1)
+    if family == "gemma3":
+        base.update(sliding_window=12, layer_types=["sliding_attention", "full_attention"])
+    base.update(overrides)
+    config = config_cls(**base)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    return model.float()
+
+
+def synthetic_dataset(n: int, seed: int = 0, min_len: int = 6, max_len: int = 40, masked_prompt: bool = False):
+    """``n`` random token sequences (ids >= 3); ``masked_prompt`` gives long prompts labelled -100."""
+    rng = random.Random(seed)
+    data = []
+    for _ in range(n):
+        length = rng.randint(min_len, max_len)
+        ids = [rng.randrange(3, VOCAB) for _ in range(length)]
+        row = {"input_ids": ids}
+        if masked_prompt:
+            prompt = max(1, int(length * 0.8))
+            row["labels"] = [-100] * prompt + ids[prompt:]
+        data.append(row)
+    return data
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one training run, reference or SP
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    name: str
+    family: str = "llama"
+    attn: str = "sdpa"
+    optim: str = "adamw_torch"
+    sp_size: int = 2
+    world_size: int = 2
+    batch_size: int = 3  # per SP group and micro-step
+    grad_accum: int = 1
+    steps: int = 3
+    n_train: int = 0  # 0: exactly enough for `steps` optimizer steps
+    n_eval: int = 6
+    eval_batch_size: int = 2
+    masked_prompt: bool = False
+    max_len: int = 40
+    model_overrides: dict = field(default_factory=dict)
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.sp_size
+
+    def with_(self, **kw) -> "Case":
+        return replace(self, **kw)
+
+
+def train_case(case: Case, sp: bool, out_dir: str) -> dict:
+    """Train ``case`` with plain ``Trainer`` (``sp=False``, one process) or ``SPTrainer``; return what to compare."""
+    import transformers
+    from transformers import DataCollatorWithFlattening
+
+    from hf_sp_trainer import SPTrainer, TrainingArguments
+
+    model = tiny_model(case.family, attn=case.attn, **case.model_overrides)
+    init = {k: v.detach().clone() for k, v in model.named_parameters()}
+    global_batch = case.batch_size * case.dp_size
+    n_train = case.n_train or global_batch * case.grad_accum * case.steps
+    train = synthetic_dataset(n_train, seed=1, max_len=case.max_len, masked_prompt=case.masked_prompt)
+    evals = synthetic_dataset(case.n_eval, seed=2, max_len=case.max_len, masked_prompt=case.masked_prompt)
+    common = dict(
+        output_dir=out_dir, num_train_epochs=1, max_steps=case.steps, gradient_accumulation_steps=case.grad_accum,
+        per_device_eval_batch_size=case.eval_batch_size, optim=case.optim,
+        learning_rate=5e-2 if case.optim == "sgd" else 1e-3, weight_decay=0.01, logging_steps=1,
+        save_strategy="no", report_to="none", disable_tqdm=True, seed=0, use_cpu=True,
+        dataloader_num_workers=0, remove_unused_columns=False,
+    )
+    if sp:
+        args = TrainingArguments(
+            per_device_train_batch_size=case.batch_size, sp_size=case.sp_size, ddp_backend="gloo", **common
+        )
+        trainer = SPTrainer(model=model, args=args, train_dataset=train, eval_dataset=evals)
+    else:
+        args = transformers.TrainingArguments(per_device_train_batch_size=global_batch, **common)
+        collator = DataCollatorWithFlattening(return_position_ids=True)
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=train, eval_dataset=evals, data_collator=collator
+        )
+    trainer.train()
+    eval_loss = trainer.evaluate()["eval_loss"]
+    logs = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return {
+        "losses": [e["loss"] for e in logs],
+        "grad_norms": [e["grad_norm"] for e in logs],
+        "eval_loss": eval_loss,
+        "global_step": trainer.state.global_step,
+        "params": params if not sp or dist.get_rank() == 0 else None,
+        "init": init if not sp or dist.get_rank() == 0 else None,
+    }
+
+
+def run_sp_cases(cases: list[Case]) -> dict[str, dict]:
+    """Run in each spawned rank: every case in turn; rank 0's results are returned (others return ``{}``)."""
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in cases:
+            result = train_case(case, sp=True, out_dir=os.path.join(tmp, case.name))
+            out[case.name] = result
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# comparison
+# ----------------------------------------------------------------------------------------------------------------
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def compare(ref: dict, got: dict) -> dict[str, float]:
+    """Maximum relative differences: per-step loss, grad_norm, eval_loss, final params, parameter updates."""
+    assert len(ref["losses"]) == len(got["losses"]), (ref["losses"], got["losses"])
+    param_rel, update_rel = 0.0, 0.0
+    for name, p_ref in ref["params"].items():
+        p_got = got["params"][name]
+        param_rel = max(param_rel, float((p_got - p_ref).norm() / p_ref.norm().clamp(min=1e-12)))
+        d_ref, d_got = p_ref - ref["init"][name], p_got - got["init"][name]
+        if d_ref.norm() > 0:
+            update_rel = max(update_rel, float((d_got - d_ref).norm() / d_ref.norm()))
+    return {
+        "loss": max(rel(a, b) for a, b in zip(got["losses"], ref["losses"])),
+        "grad_norm": max(rel(a, b) for a, b in zip(got["grad_norms"], ref["grad_norms"])),
+        "eval_loss": rel(got["eval_loss"], ref["eval_loss"]),
+        "params": param_rel,
+        "update": update_rel,
+    }
