@@ -56,7 +56,8 @@ class SequenceParallelMixin:
                 "set it to 0."
             )
         if data_collator is None:
-            data_collator = SPDataCollator(pad_to_multiple_of=sp_size, pad_token_id=_pad_token_id(model, processing_class))
+            pad_token_id = _pad_token_id(model, processing_class)
+            data_collator = SPDataCollator(pad_to_multiple_of=sp_size, pad_token_id=pad_token_id)
         return data_collator
 
     def _sp_enable(self) -> None:

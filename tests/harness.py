@@ -9,8 +9,9 @@ import random
 import socket
 import tempfile
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,8 +39,13 @@ def _free_port() -> int:
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
     try:
@@ -98,9 +104,19 @@ def tiny_model(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
 
     config_cls = getattr(transformers, FAMILIES[family])
     base = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, tie_word_embeddings=False, use_cache=False,  # sdpa honours packing only without a cache
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        use_cache=False,  # sdpa honours packing only without a cache
     )
     if family == "mistral":
         base["sliding_window"] = 12
@@ -155,7 +171,7 @@ class Case:
     def dp_size(self) -> int:
         return self.world_size // self.sp_size
 
-    def with_(self, **kw) -> "Case":
+    def with_(self, **kw) -> Case:
         return replace(self, **kw)
 
 
@@ -185,11 +201,22 @@ def train_case(case: Case, sp: bool, out_dir: str) -> dict:
     train = synthetic_dataset(n_train, seed=1, max_len=case.max_len, masked_prompt=case.masked_prompt)
     evals = synthetic_dataset(case.n_eval, seed=2, max_len=case.max_len, masked_prompt=case.masked_prompt)
     common = dict(
-        output_dir=out_dir, num_train_epochs=1, max_steps=case.steps, gradient_accumulation_steps=case.grad_accum,
-        per_device_eval_batch_size=case.eval_batch_size, optim=case.optim,
-        learning_rate=5e-2 if case.optim == "sgd" else 1e-3, weight_decay=0.01, logging_steps=1,
-        save_strategy="no", report_to="none", disable_tqdm=True, seed=0, use_cpu=True,
-        dataloader_num_workers=0, remove_unused_columns=False,
+        output_dir=out_dir,
+        num_train_epochs=1,
+        max_steps=case.steps,
+        gradient_accumulation_steps=case.grad_accum,
+        per_device_eval_batch_size=case.eval_batch_size,
+        optim=case.optim,
+        learning_rate=5e-2 if case.optim == "sgd" else 1e-3,
+        weight_decay=0.01,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        remove_unused_columns=False,
     )
     if sp:
         args = TrainingArguments(
@@ -252,8 +279,8 @@ def compare(ref: dict, got: dict) -> dict[str, float]:
         float((got["params"][n] - ref["params"][n]).norm() / ref["params"][n].norm().clamp(min=1e-12)) for n in names
     )
     return {
-        "loss": max(rel(a, b) for a, b in zip(got["losses"], ref["losses"])),
-        "grad_norm": max(rel(a, b) for a, b in zip(got["grad_norms"], ref["grad_norms"])),
+        "loss": max(rel(a, b) for a, b in zip(got["losses"], ref["losses"], strict=True)),
+        "grad_norm": max(rel(a, b) for a, b in zip(got["grad_norms"], ref["grad_norms"], strict=True)),
         "eval_loss": rel(got["eval_loss"], ref["eval_loss"]),
         "params": (diff_sq / norm_sq) ** 0.5,
         "params_tensor": tensor_rel,

@@ -62,8 +62,14 @@ def _document_mask(kernel, module, length, sliding_window, dtype, device):
 
 
 def run_kernel(
-    kernel: str, fn: Callable, module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    layout: DocumentLayout, kwargs: dict,
+    kernel: str,
+    fn: Callable,
+    module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: DocumentLayout,
+    kwargs: dict,
 ) -> torch.Tensor:
     """Attention of ``q, k, v`` ``[b, heads, seq, d]`` over the full sequence with the kernel ``fn`` registered as
     ``kernel``; returns ``[b, seq, heads, d]``."""
@@ -82,8 +88,12 @@ def run_kernel(
                 lambda n=end - start: _document_mask(kernel, module, n, sliding_window, q.dtype, q.device),
             )
             out, _ = fn(
-                module, q[r : r + 1, :, start:end], k[r : r + 1, :, start:end], v[r : r + 1, :, start:end],
-                mask, **kwargs,
+                module,
+                q[r : r + 1, :, start:end],
+                k[r : r + 1, :, start:end],
+                v[r : r + 1, :, start:end],
+                mask,
+                **kwargs,
             )
             parts.append(out)
         rows.append(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
@@ -98,9 +108,17 @@ def _run_varlen(fn, module, q, k, v, layout, kwargs):
 
     cu, max_len = layout.cu_seq_lens()
     out, _ = fn(
-        module, rows_end_to_end(q), rows_end_to_end(k), rows_end_to_end(v), None,
-        cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max_len, max_length_k=max_len,
-        position_ids=layout.position_ids.reshape(1, -1), **kwargs,
+        module,
+        rows_end_to_end(q),
+        rows_end_to_end(k),
+        rows_end_to_end(v),
+        None,
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=max_len,
+        max_length_k=max_len,
+        position_ids=layout.position_ids.reshape(1, -1),
+        **kwargs,
     )
     return out.reshape(b, s, *out.shape[2:])
 

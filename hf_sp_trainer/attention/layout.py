@@ -29,7 +29,7 @@ class DocumentLayout:
         segments = []
         for row in starts_flag:
             starts = row.nonzero().flatten().tolist()
-            segments.append(list(zip(starts, starts[1:] + [seq])))
+            segments.append(list(zip(starts, starts[1:] + [seq], strict=True)))
         return cls(position_ids=position_ids, segments=segments)
 
     @property
