@@ -166,6 +166,7 @@ class Case:
     masked_prompt: bool = False
     max_len: int = 40
     model_overrides: dict = field(default_factory=dict)
+    train_overrides: dict = field(default_factory=dict)  # extra TrainingArguments for both runs
 
     @property
     def dp_size(self) -> int:
@@ -217,6 +218,7 @@ def train_case(case: Case, sp: bool, out_dir: str) -> dict:
         use_cpu=True,
         dataloader_num_workers=0,
         remove_unused_columns=False,
+        **case.train_overrides,
     )
     if sp:
         args = TrainingArguments(
@@ -233,6 +235,7 @@ def train_case(case: Case, sp: bool, out_dir: str) -> dict:
     trainer.train()
     empty_shards = sum(int((x["shift_labels"] != -100).sum() == 0) for x in seen if "shift_labels" in x)
     eval_loss = trainer.evaluate()["eval_loss"]
+    prediction = trainer.predict(evals[: case.eval_batch_size])  # one batch: logits gathered back along the sequence
     logs = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     return {
@@ -241,6 +244,8 @@ def train_case(case: Case, sp: bool, out_dir: str) -> dict:
         "eval_loss": eval_loss,
         "global_step": trainer.state.global_step,
         "empty_shards": empty_shards,
+        "predictions": torch.as_tensor(prediction.predictions),
+        "test_loss": prediction.metrics["test_loss"],
         "params": params if not sp or dist.get_rank() == 0 else None,
         "init": init if not sp or dist.get_rank() == 0 else None,
     }
@@ -278,7 +283,11 @@ def compare(ref: dict, got: dict) -> dict[str, float]:
     tensor_rel = max(
         float((got["params"][n] - ref["params"][n]).norm() / ref["params"][n].norm().clamp(min=1e-12)) for n in names
     )
+    pred_ref, pred_got = ref["predictions"], got["predictions"]
+    assert pred_got.shape[1] >= pred_ref.shape[1], (pred_got.shape, pred_ref.shape)  # SP pads to a multiple of sp
     return {
+        "predict": float((pred_got[:, : pred_ref.shape[1]] - pred_ref).norm() / pred_ref.norm()),
+        "test_loss": rel(got["test_loss"], ref["test_loss"]),
         "loss": max(rel(a, b) for a, b in zip(got["losses"], ref["losses"], strict=True)),
         "grad_norm": max(rel(a, b) for a, b in zip(got["grad_norms"], ref["grad_norms"], strict=True)),
         "eval_loss": rel(got["eval_loss"], ref["eval_loss"]),

@@ -13,6 +13,7 @@ WORLD2 = [
     Case("llama_adamw"),
     Case("llama_eager", attn="eager"),
     Case("llama_grad_accum2", grad_accum=2),
+    Case("llama_grad_checkpointing", train_overrides={"gradient_checkpointing": True}),
     Case("llama_empty_shards", batch_size=1, masked_prompt=True, steps=4),
     Case("llama_gqa_kv1", model_overrides={"num_key_value_heads": 1}),
     Case("qwen2_sliding", family="qwen2"),
@@ -50,7 +51,7 @@ def test_sp_matches_single_process(case, sp_results, tmp_path):
         with open(REPORT, "a") as f:
             f.write(json.dumps({"case": case.name, "sp": case.sp_size, "world": case.world_size, **diffs}) + "\n")
     assert got["global_step"] == ref["global_step"] == case.steps
-    for key in ("loss", "grad_norm", "eval_loss", "params"):
+    for key in ("loss", "grad_norm", "eval_loss", "params", "predict", "test_loss"):
         assert diffs[key] <= TOL, f"{case.name}: {key} differs by {diffs[key]:.3e} (relative)"
     if case.masked_prompt:
         assert got["empty_shards"] > 0, "the case was meant to contain shards whose labels are all -100"

@@ -1,0 +1,169 @@
+"""Benchmark: does a packed row cost more than an unpacked row of the same length under Ulysses SP?
+
+Runs one forward + backward of a small Llama-style model on ``--sp`` CPU processes (gloo) for each sequence length
+and document size, and records per-rank step time and peak memory (VmHWM after clearing it, glibc told to return
+freed memory). Writes ``packed_rows.csv``, ``packed_rows.json`` and ``packed_rows.png`` to ``--out``.
+
+    python scripts/bench_packed_rows.py --sp 2 --lengths 2048 4096 8192 --doc-sizes 0 2048 256 32
+(doc size 0 = one unpacked document).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _peak_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM")
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _model(attn: str):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=65536,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).float()
+
+
+def _row(length: int, doc_size: int) -> dict[str, torch.Tensor]:
+    doc = doc_size or length
+    position_ids = torch.arange(length) % doc
+    input_ids = torch.randint(3, 1024, (length,), generator=torch.Generator().manual_seed(length))
+    labels = input_ids.clone()
+    labels[position_ids == 0] = -100
+    return {"input_ids": input_ids[None], "position_ids": position_ids[None], "labels": labels[None]}
+
+
+def _worker(rank, world, port, args, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo")
+    from hf_sp_trainer.attention import UlyssesAttention
+    from hf_sp_trainer.sharding import prepare_sp_batch
+    from hf_sp_trainer.topology import sp_topology
+
+    topo = sp_topology(world)
+    model = _model(args.attn)
+    UlyssesAttention(topo.sp_group, args.attn).attach(model)
+    rows = []
+    for length in args.lengths:
+        for doc_size in args.doc_sizes:
+            shard = prepare_sp_batch(_row(length, doc_size), topo.sp_rank, world)
+            times = []
+            for repeat in range(args.repeats + 1):  # first run warms up
+                model.zero_grad(set_to_none=True)
+                dist.barrier()
+                _reset_peak()
+                start = time.perf_counter()
+                loss = model(**shard, num_items_in_batch=torch.tensor(length)).loss
+                loss.backward()
+                dist.barrier()
+                if repeat:
+                    times.append(time.perf_counter() - start)
+            rows.append(
+                {
+                    "length": length,
+                    "doc_size": doc_size or length,
+                    "docs": length // (doc_size or length),
+                    "step_s": min(times),
+                    "peak_mb": _peak_mb(),
+                }
+            )
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sp", type=int, default=2)
+    parser.add_argument("--attn", default="sdpa")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--doc-sizes", type=int, nargs="+", default=[0, 2048, 256, 32])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default="runs/bench_packed_rows")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    os.environ.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")  # inherited by the workers
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    raw = os.path.join(args.out, "raw.json")
+    mp.spawn(_worker, args=(args.sp, port, args, raw), nprocs=args.sp)
+    with open(raw) as f:
+        rows = json.load(f)
+    for row in rows:  # relative to the unpacked row of the same length
+        base = next(r for r in rows if r["length"] == row["length"] and r["docs"] == 1)
+        row["time_vs_unpacked"] = row["step_s"] / base["step_s"]
+        row["peak_vs_unpacked"] = row["peak_mb"] / base["peak_mb"]
+    with open(os.path.join(args.out, "packed_rows.json"), "w") as f:
+        json.dump({"sp": args.sp, "attn": args.attn, "rows": rows}, f, indent=1)
+    with open(os.path.join(args.out, "packed_rows.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    for row in rows:
+        print(
+            f"len {row['length']:>6} docs {row['docs']:>4}: {row['step_s']:.3f} s ({row['time_vs_unpacked']:.2f}x), "
+            f"peak {row['peak_mb']:.0f} MB ({row['peak_vs_unpacked']:.2f}x)"
+        )
+    _plot(rows, args)
+
+
+def _plot(rows, args) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG (pip install matplotlib)")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for docs_label in sorted({r["doc_size"] for r in rows if r["docs"] > 1}) + [None]:
+        pick = [
+            r for r in rows if (r["docs"] == 1 if docs_label is None else r["doc_size"] == docs_label and r["docs"] > 1)
+        ]
+        label = "unpacked" if docs_label is None else f"docs of {docs_label}"
+        axes[0].plot([r["length"] for r in pick], [r["step_s"] for r in pick], marker="o", label=label)
+        axes[1].plot([r["length"] for r in pick], [r["peak_mb"] for r in pick], marker="o", label=label)
+    for ax, title in zip(axes, ("step time (s)", "peak memory per rank (MB)"), strict=True):
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_title(f"{title}, sp={args.sp}, {args.attn}")
+        ax.set_xscale("log", base=2)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "packed_rows.png"), dpi=120)
+
+
+if __name__ == "__main__":
+    main()
