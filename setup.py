@@ -9,6 +9,7 @@ setup(
     install_requires=["torch>=2.6", "transformers>=5.24,<6", "accelerate>=1.15", "datasets>=4"],
     extras_require={
         "test": ["pytest>=8", "ruff"],
+        "bench": ["matplotlib"],
         "trl": ["trl>=1.16,<2"],
         "peft": ["peft>=0.17"],
         "deepspeed": ["deepspeed>=0.18"],

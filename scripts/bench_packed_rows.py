@@ -74,7 +74,7 @@ def _worker(rank, world, port, args, out_path):
     UlyssesAttention(topo.sp_group, args.attn).attach(model)
     rows = []
     for length in args.lengths:
-        for doc_size in args.doc_sizes:
+        for doc_size in [d for d in args.doc_sizes if d < length]:
             shard = prepare_sp_batch(_row(length, doc_size), topo.sp_rank, world)
             times = []
             for repeat in range(args.repeats + 1):  # first run warms up

@@ -81,20 +81,16 @@ def run_kernel(
         return _run_flex(fn, module, q, k, v, layout, sliding_window, kwargs)
     rows = []
     for r, segments in enumerate(layout.segments):
+        lengths = [end - start for start, end in segments]
+        # split (not slicing): its backward writes every document's gradient into one buffer, once
+        docs = zip(*(t[r : r + 1].split(lengths, dim=2) for t in (q, k, v)), strict=True)
         parts = []
-        for start, end in segments:
+        for (q_doc, k_doc, v_doc), length in zip(docs, lengths, strict=True):
             mask = layout.cached(
-                (kernel, end - start, sliding_window, q.dtype),
-                lambda n=end - start: _document_mask(kernel, module, n, sliding_window, q.dtype, q.device),
+                (kernel, length, sliding_window, q.dtype),
+                lambda n=length: _document_mask(kernel, module, n, sliding_window, q.dtype, q.device),
             )
-            out, _ = fn(
-                module,
-                q[r : r + 1, :, start:end],
-                k[r : r + 1, :, start:end],
-                v[r : r + 1, :, start:end],
-                mask,
-                **kwargs,
-            )
+            out, _ = fn(module, q_doc, k_doc, v_doc, mask, **kwargs)
             parts.append(out)
         rows.append(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0])
     return torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
