@@ -50,11 +50,6 @@ class SequenceParallelMixin:
         if model is None:
             raise ValueError("SPTrainer with sp_size > 1 needs a model instance (model_init is not supported).")
         validate_model_for_sp(_unwrap(model), sp_size)
-        if args.label_smoothing_factor:
-            raise ValueError(
-                f"label_smoothing_factor={args.label_smoothing_factor} is not supported with sp_size={sp_size} yet; "
-                "set it to 0."
-            )
         if data_collator is None:
             pad_token_id = _pad_token_id(model, processing_class)
             data_collator = SPDataCollator(pad_to_multiple_of=sp_size, pad_token_id=pad_token_id)
@@ -65,13 +60,14 @@ class SequenceParallelMixin:
         sp_size = getattr(self.args, "sp_size", 1)
         if sp_size == 1:
             return
-        if self.compute_loss_func is not None or not self.model_accepts_loss_kwargs:
-            raise ValueError(
-                f"sp_size={sp_size} computes the exact loss through the model's `num_items_in_batch` / `shift_labels` "
-                "loss arguments; a custom compute_loss_func, or a model whose forward does not take loss kwargs, "
-                "is not supported yet."
-            )
         model = _unwrap(self.model)
+        validate_model_for_sp(model, sp_size)
+        if self.args.label_smoothing_factor or self.compute_loss_func is not None or not self.model_accepts_loss_kwargs:
+            raise ValueError(
+                f"sp_size={sp_size} computes the exact loss from pre-shifted `shift_labels` and the step's "
+                "`num_items_in_batch`; label_smoothing_factor, a custom compute_loss_func, or a model whose forward "
+                "takes no loss kwargs are not supported with sequence parallelism yet."
+            )
         self.sp = sp_topology(sp_size)
         kernel = self.args.sp_attn_implementation or model.config._attn_implementation
         self.ulysses = UlyssesAttention(self.sp.sp_group, kernel)
@@ -94,6 +90,10 @@ class SequenceParallelMixin:
                 "False})."
             )
         shard.num_processes, shard.process_index = self.sp.dp_size, self.sp.dp_rank
+        if self.sp.dp_size == 1 and isinstance(shard, BatchSamplerShard):
+            # One SP group sees every batch, so the last one needs no completing with repeated samples (which a
+            # packed row would mix into its loss): exactly the single-process batches.
+            shard.even_batches = False
         return dataloader
 
     def get_train_dataloader(self):
@@ -131,8 +131,11 @@ class SequenceParallelMixin:
         group = self.sp.sp_group
         count = (inputs["shift_labels"] != IGNORE_INDEX).sum()
         dist.all_reduce(count, group=group)
-        outputs = model(**inputs, num_items_in_batch=count.clamp(min=1))
-        loss = outputs["loss"].detach().clone()
+        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch=count.clamp(min=1))
+        loss, outputs = result if return_outputs else (result, None)
+        if self.args.average_tokens_across_devices:  # undo the DDP compensation: this loss is not backpropagated
+            loss = loss / (self.accelerator.num_processes // self.get_tp_size())
+        loss = loss.detach().clone()
         dist.all_reduce(loss, group=group)
         return (loss, outputs) if return_outputs else loss
 

@@ -13,6 +13,7 @@ WORLD2 = [
     Case("llama_adamw"),
     Case("llama_eager", attn="eager"),
     Case("llama_grad_accum2", grad_accum=2),
+    Case("llama_uneven_last_batches", n_train=8, n_eval=5),
     Case("llama_grad_checkpointing", train_overrides={"gradient_checkpointing": True}),
     Case("llama_empty_shards", batch_size=1, masked_prompt=True, steps=4),
     Case("llama_gqa_kv1", model_overrides={"num_key_value_heads": 1}),

@@ -1,0 +1,38 @@
+"""``SPSFTTrainer``: TRL's ``SFTTrainer`` with Ulysses sequence parallelism (the same mixin as ``SPTrainer``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import trl
+
+from .arguments import SequenceParallelArguments
+from .trainer import SequenceParallelMixin
+
+
+@dataclass
+class SFTConfig(trl.SFTConfig, SequenceParallelArguments):
+    """``trl.SFTConfig`` plus ``sp_size`` and ``sp_attn_implementation``.
+
+    With ``sp_size > 1`` batches are padding-free (``padding_free=True`` is implied): TRL's collator flattens each
+    batch into one row whose documents are kept apart by ``position_ids``.
+    """
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_sequence_parallel()
+        if self.sp_size > 1:
+            self.padding_free = True
+
+
+class SPSFTTrainer(SequenceParallelMixin, trl.SFTTrainer):
+    """``trl.SFTTrainer`` with Ulysses sequence parallelism over ``args.sp_size`` ranks.
+
+    Works with TRL packing (bfd, wrapped), padding-free batches, completion-only and assistant-only loss, chat
+    templates, the fused LM-head loss (``nll``, ``dft``) and ``peft_config``; loss, gradients and ``eval_loss`` equal
+    the single-process ``SFTTrainer`` ones.
+    """
+
+    def __init__(self, model, args=None, *extra, **kwargs):
+        super().__init__(model, args, *extra, **kwargs)
+        self._sp_enable()

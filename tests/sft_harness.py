@@ -1,0 +1,127 @@
+"""SFT cases: the same run with single-process ``trl.SFTTrainer`` and with ``SPSFTTrainer``."""
+
+from __future__ import annotations
+
+import os
+import random
+import string
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from tests.harness import tiny_model
+
+
+@dataclass(frozen=True)
+class SFTCase:
+    name: str
+    data: str = "text"  # text | prompt_completion | messages
+    sp_size: int = 2
+    world_size: int = 2
+    batch_size: int = 3
+    steps: int = 3
+    config: dict = field(default_factory=dict)  # extra SFTConfig fields for both runs
+    lora: bool = False
+    n_train: int = 0  # 0: exactly enough for `steps` optimizer steps
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.sp_size
+
+
+def _words(rng, n):
+    return " ".join("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 6))) for _ in range(n))
+
+
+def sft_dataset(kind: str, n: int, seed: int):
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        prompt, answer = _words(rng, rng.randint(3, 12)), _words(rng, rng.randint(1, 4))
+        if kind == "text":
+            rows.append({"text": prompt + " " + answer})
+        elif kind == "prompt_completion":
+            rows.append({"prompt": prompt + " ->", "completion": " " + answer})
+        else:
+            rows.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]})
+    return Dataset.from_list(rows)
+
+
+def train_sft_case(case: SFTCase, sp: bool, out_dir: str) -> dict:
+    import peft
+    import trl
+
+    from hf_sp_trainer import SFTConfig, SPSFTTrainer
+    from hf_sp_trainer.data import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    model = tiny_model("llama")
+    global_batch = case.batch_size * case.dp_size
+    train = sft_dataset(case.data, case.n_train or global_batch * case.steps, seed=11)
+    evals = sft_dataset(case.data, 4, seed=12)
+    common = (
+        dict(
+            output_dir=out_dir,
+            max_steps=case.steps,
+            per_device_eval_batch_size=2,
+            learning_rate=1e-3,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            seed=0,
+            use_cpu=True,
+            padding_free=True,
+            max_length=None,
+            dataset_num_proc=None,
+            bf16=False,  # TRL defaults to bf16; the equivalence is checked in fp32
+        )
+        | case.config
+    )
+    peft_config = None
+    if case.lora:
+        peft_config = peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"]
+        )
+    if sp:
+        args = SFTConfig(
+            per_device_train_batch_size=case.batch_size, sp_size=case.sp_size, ddp_backend="gloo", **common
+        )
+        trainer_cls = SPSFTTrainer
+    else:
+        args = trl.SFTConfig(per_device_train_batch_size=global_batch, **common)
+        trainer_cls = trl.SFTTrainer
+    torch.manual_seed(0)
+    trainer = trainer_cls(
+        model=model,
+        args=args,
+        train_dataset=train,
+        eval_dataset=evals,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )
+    init = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    trainer.train()
+    eval_metrics = trainer.evaluate()
+    logs = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
+    rank0 = not sp or dist.get_rank() == 0
+    params = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    return {
+        "losses": [e["loss"] for e in logs],
+        "grad_norms": [e["grad_norm"] for e in logs],
+        "token_accuracy": [e["mean_token_accuracy"] for e in logs],
+        "eval_loss": eval_metrics["eval_loss"],
+        "global_step": trainer.state.global_step,
+        "params": params if rank0 else None,
+        "init": init if rank0 else None,
+        "is_peft": type(trainer.model).__name__,
+    }
+
+
+def run_sft_cases(cases: list[SFTCase]) -> dict[str, dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        return {case.name: train_sft_case(case, sp=True, out_dir=os.path.join(tmp, case.name)) for case in cases}

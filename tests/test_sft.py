@@ -1,0 +1,39 @@
+"""SPSFTTrainer on 2 and 4 gloo processes trains exactly like single-process trl.SFTTrainer."""
+
+import pytest
+
+from tests.harness import run_distributed, unwrap_results
+from tests.sft_harness import SFTCase, run_sft_cases, train_sft_case
+
+TOL = 1e-5
+WORLD2 = [
+    SFTCase("padding_free_text"),
+    SFTCase("uneven_last_batches", batch_size=4, n_train=10, config={"per_device_eval_batch_size": 3}),
+    SFTCase("packing_bfd", config={"packing": True, "packing_strategy": "bfd", "max_length": 96}, batch_size=2),
+    SFTCase("completion_only", data="prompt_completion"),
+    SFTCase("assistant_only_chat", data="messages", config={"assistant_only_loss": True}),
+    SFTCase("dft_loss", config={"loss_type": "dft"}),
+    SFTCase("lora", lora=True),
+]
+WORLD4 = [SFTCase("dp2sp2_lora_completion", data="prompt_completion", lora=True, world_size=4)]
+
+
+@pytest.fixture(scope="module")
+def sp_results():
+    return {world: run_distributed(world, run_sft_cases, cases) for world, cases in ((2, WORLD2), (4, WORLD4))}
+
+
+@pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)
+def test_sp_sft_matches_single_process(case, sp_results, tmp_path):
+    from tests.harness import compare
+
+    got = unwrap_results(sp_results[case.world_size])[0][case.name]
+    ref = train_sft_case(case, sp=False, out_dir=str(tmp_path))
+    diffs = compare(ref, got)
+    print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
+    assert got["global_step"] == ref["global_step"] == case.steps
+    assert got["is_peft"] == ref["is_peft"] == ("PeftModel" if case.lora else "LlamaForCausalLM")
+    for key in ("loss", "grad_norm", "eval_loss", "params"):
+        assert diffs[key] <= TOL, f"{case.name}: {key} differs by {diffs[key]:.3e} (relative)"
+    for a, b in zip(got["token_accuracy"], ref["token_accuracy"], strict=True):
+        assert abs(a - b) <= 1e-6
