@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import trl
+from transformers.utils import logging
 
 from .arguments import SequenceParallelArguments
 from .trainer import SequenceParallelMixin
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -23,6 +26,13 @@ class SFTConfig(trl.SFTConfig, SequenceParallelArguments):
         self._check_sequence_parallel()
         if self.sp_size > 1:
             self.padding_free = True
+            if not self.packing and self.max_length is not None:
+                logger.warning(
+                    f"sp_size={self.sp_size} trains on padding-free rows; without packing, TRL does not apply "
+                    f"max_length={self.max_length} to them, so it is set to None (long documents are split over the "
+                    "SP ranks instead). Use --packing to chunk documents at max_length."
+                )
+                self.max_length = None
 
 
 class SPSFTTrainer(SequenceParallelMixin, trl.SFTTrainer):

@@ -1,0 +1,1 @@
+"""The ``hf-sp-sft`` command: ``trl sft`` plus sequence-parallel flags."""
