@@ -1,0 +1,29 @@
+"""The CPU smoke variants of the LoRA launch scripts in scripts/lora/ (tiny model, 2 processes, sp_size 2)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = sorted(str(p) for p in (Path(__file__).parents[1] / "scripts" / "lora").glob("*.sh") if p.name[0] != "_")
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: Path(s).stem)
+def test_lora_script_smoke(script, tmp_path):
+    env = {
+        **os.environ,
+        "SMOKE": "1",
+        "SMOKE_DIR": str(tmp_path),
+        "OMP_NUM_THREADS": "1",
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    }
+    done = subprocess.run(["bash", script], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (tmp_path / "out" / "adapter_config.json").exists()  # a LoRA adapter was trained and saved
+    assert "Model saved to" in done.stdout
+
+
+def test_scripts_found():
+    assert len(SCRIPTS) == 3
