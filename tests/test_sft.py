@@ -10,6 +10,7 @@ WORLD2 = [
     SFTCase("padding_free_text"),
     SFTCase("uneven_last_batches", batch_size=4, n_train=10, config={"per_device_eval_batch_size": 3}),
     SFTCase("packing_bfd", config={"packing": True, "packing_strategy": "bfd", "max_length": 96}, batch_size=2),
+    SFTCase("packing_wrapped", config={"packing": True, "packing_strategy": "wrapped", "max_length": 64}, batch_size=2),
     SFTCase("completion_only", data="prompt_completion"),
     SFTCase("assistant_only_chat", data="messages", config={"assistant_only_loss": True}),
     SFTCase("dft_loss", config={"loss_type": "dft"}),
@@ -35,5 +36,10 @@ def test_sp_sft_matches_single_process(case, sp_results, tmp_path):
     assert got["is_peft"] == ref["is_peft"] == ("PeftModel" if case.lora else "LlamaForCausalLM")
     for key in ("loss", "grad_norm", "eval_loss", "params"):
         assert diffs[key] <= TOL, f"{case.name}: {key} differs by {diffs[key]:.3e} (relative)"
-    for a, b in zip(got["token_accuracy"], ref["token_accuracy"], strict=True):
+    accuracies = list(zip(got["token_accuracy"], ref["token_accuracy"], strict=True))
+    if case.name == "packing_wrapped":
+        # TRL gathers its metric sums with `gather_for_metrics`, which on the last batch of an uneven epoch keeps only
+        # `remainder` of the gathered per-rank sums (under plain DDP too); the loss itself is unaffected.
+        accuracies = accuracies[:-1]
+    for a, b in accuracies:
         assert abs(a - b) <= 1e-6
