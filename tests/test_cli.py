@@ -56,6 +56,19 @@ def tiny_run(tmp_path_factory):
     return run
 
 
+def test_main_job_runs_end_to_end(tmp_path):
+    """The built-in main job, shortened to 5 steps: trains under sp_size 2 and reports loss, accuracy, output."""
+    done = subprocess.run(
+        [f"{BIN}/hf-sp-sft", "--max_steps", "5", "--output_dir", str(tmp_path / "job")],
+        capture_output=True, text=True, env=ENV, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "on 2 processes (sp_size=2)" in done.stdout
+    assert re.search(r"eval loss: [\d.]+ -> [\d.]+", done.stdout)
+    assert re.search(r"passkey retrieval accuracy: [\d.]+% of 8 held-out documents", done.stdout)
+    assert (tmp_path / "job" / "model.safetensors").exists()
+
+
 def test_cli_lora_sp2_matches_one_process(tiny_run):
     reference = tiny_run("sp1", [f"{BIN}/hf-sp-sft"], "--num_processes", "1", "--max_length", "none")
     launched = tiny_run("sp2", [f"{BIN}/hf-sp-sft"], "--num_processes", "2", "--sp_size", "2")

@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(os.environ.get(name) for name in _LAUNCHED_ENV):  # started by torchrun / accelerate / deepspeed
         sft.worker(argv)
         return 0
+    if _on_cpu_only() and "--use_cpu" not in argv:
+        argv.append("--use_cpu")  # else TrainingArguments refuses its bf16 default on a CPU-only machine
     script, _, model, data, _, config_remaining, cli_remaining = make_launcher_parser().parse_args_and_config(
         argv, return_remaining_strings=True, separate_remaining_strings=True
     )
@@ -100,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     if main_job.is_requested(script, model, data):
         script_args = main_job.default_argv(script_args)
         launch_args = main_job.default_launch_args(launch_args)
-    if _on_cpu_only() and "--use_cpu" not in script_args:
-        script_args.append("--use_cpu")
     _accelerate_launch(launch_args, script_args)
     return 0
 
