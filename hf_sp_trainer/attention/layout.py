@@ -32,10 +32,6 @@ class DocumentLayout:
             segments.append(list(zip(starts, starts[1:] + [seq], strict=True)))
         return cls(position_ids=position_ids, segments=segments)
 
-    @property
-    def is_packed(self) -> bool:
-        return any(len(row) > 1 for row in self.segments)
-
     def document_ids(self) -> torch.Tensor:
         """``[batch, seq]`` index of the document each token belongs to."""
         ids = torch.empty(self.position_ids.shape, dtype=torch.long)
