@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import transformers
 
+from .memory import MemoryArguments
 from .topology import check_world
 
 
@@ -34,8 +35,8 @@ class SequenceParallelArguments:
 
 
 @dataclass
-class TrainingArguments(transformers.TrainingArguments, SequenceParallelArguments):
-    """``transformers.TrainingArguments`` plus ``sp_size`` and ``sp_attn_implementation``."""
+class TrainingArguments(SequenceParallelArguments, MemoryArguments, transformers.TrainingArguments):
+    """``transformers.TrainingArguments`` plus the sequence-parallel and memory-stack fields."""
 
     def __post_init__(self):
         super().__post_init__()

@@ -8,13 +8,14 @@ import trl
 from transformers.utils import logging
 
 from .arguments import SequenceParallelArguments
+from .memory import MemoryArguments
 from .trainer import SequenceParallelMixin
 
 logger = logging.get_logger(__name__)
 
 
 @dataclass
-class SFTConfig(trl.SFTConfig, SequenceParallelArguments):
+class SFTConfig(SequenceParallelArguments, MemoryArguments, trl.SFTConfig):
     """``trl.SFTConfig`` plus ``sp_size`` and ``sp_attn_implementation``.
 
     With ``sp_size > 1`` batches are padding-free (``padding_free=True`` is implied): TRL's collator flattens each

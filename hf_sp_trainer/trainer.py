@@ -20,6 +20,7 @@ from torch import nn
 
 from .attention import UlyssesAttention, all_gather_along, validate_model_for_sp
 from .collators import SPDataCollator
+from .memory import enable_memory_features
 from .sharding import IGNORE_INDEX, prepare_sp_batch
 from .topology import SPTopology, sp_topology
 
@@ -56,10 +57,13 @@ class SequenceParallelMixin:
         return data_collator
 
     def _sp_enable(self) -> None:
-        """Build the SP groups and route the model's attention through Ulysses (after ``Trainer.__init__``)."""
-        sp_size = getattr(self.args, "sp_size", 1)
-        if sp_size == 1:
-            return
+        """After ``Trainer.__init__``: SP groups and Ulysses attention (sp_size > 1), then the memory features."""
+        if getattr(self.args, "sp_size", 1) > 1:
+            self._sp_attach()
+        enable_memory_features(self)
+
+    def _sp_attach(self) -> None:
+        sp_size = self.args.sp_size
         model = _unwrap(self.model)
         validate_model_for_sp(model, sp_size)
         if self.args.label_smoothing_factor or self.compute_loss_func is not None or not self.model_accepts_loss_kwargs:

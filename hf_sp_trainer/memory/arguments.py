@@ -1,0 +1,45 @@
+"""The memory-stack fields, shared by ``TrainingArguments`` and ``SFTConfig`` (each numerically exact on or off)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class MemoryArguments:
+    """Long-context memory features; each is exact (same loss, gradients and weights) whether on or off."""
+
+    tiled_mlp: bool = field(
+        default=False,
+        metadata={
+            "help": "Run every decoder MLP over sequence tiles and recompute each tile in backward, so only one "
+            "tile's intermediate activations live at a time."
+        },
+    )
+    tiled_mlp_num_shards: int | None = field(
+        default=None,
+        metadata={"help": "Number of sequence tiles per MLP call with --tiled_mlp. Default: ceil(seq_len / hidden)."},
+    )
+    fused_loss: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute the LM-head projection and cross-entropy in chunks, never materialising the full "
+            "[seq, vocab] logits (Liger's fused linear cross-entropy when liger-kernel and a GPU are present)."
+        },
+    )
+    activation_offloading: bool = field(
+        default=False,
+        metadata={
+            "help": "Move the hidden states saved by (non-reentrant) gradient checkpointing to host memory, "
+            "asynchronously with pinned buffers on GPU. A no-op with a warning on CPU."
+        },
+    )
+    checkpoint_policy: str = field(
+        default="full",
+        metadata={
+            "help": "With gradient_checkpointing: 'full' recomputes each decoder layer in backward; "
+            "'sequence_aware' saves the attention outputs and the all-to-all results and recomputes the cheap "
+            "O(seq) ops.",
+            "choices": ["full", "sequence_aware"],
+        },
+    )
