@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import transformers
 
+from .backends.accelerate_sp import route_accelerate_sp
+from .backends.cpu import bring_up_cpu_state, wants_cpu_backend
 from .memory import MemoryArguments
 from .topology import check_world
 
@@ -30,7 +33,15 @@ class SequenceParallelArguments:
         },
     )
 
+    @cached_property
+    def _setup_devices(self):
+        backend = wants_cpu_backend(self)
+        if backend is not None:  # FSDP2 / DeepSpeed over gloo on a CPU-only machine
+            bring_up_cpu_state(self, backend)
+        return super()._setup_devices
+
     def _check_sequence_parallel(self) -> None:
+        route_accelerate_sp(self)  # ParallelismConfig(sp_size=...) / PARALLELISM_CONFIG_SP_SIZE
         check_world(self.sp_size, self.world_size if self.sp_size > 1 else 1)
 
 

@@ -45,5 +45,14 @@ class SPSFTTrainer(SequenceParallelMixin, trl.SFTTrainer):
     """
 
     def __init__(self, model, args=None, *extra, **kwargs):
-        super().__init__(model, args, *extra, **kwargs)
+        # ``activation_offloading`` is ours (``hf_sp_trainer.memory``: the checkpointed hidden states, any device), not
+        # TRL's (every saved activation, accelerators only): TRL's __init__ must not see it.
+        offload = getattr(args, "activation_offloading", False)
+        if offload:
+            args.activation_offloading = False
+        try:
+            super().__init__(model, args, *extra, **kwargs)
+        finally:
+            if offload:
+                args.activation_offloading = True
         self._sp_enable()

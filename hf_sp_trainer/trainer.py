@@ -19,8 +19,9 @@ from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
 from torch import nn
 
 from .attention import UlyssesAttention, all_gather_along, validate_model_for_sp
+from .backends.cpu import drop_cpu_fsdp_mesh, enable_cpu_fsdp, wants_cpu_backend
 from .collators import SPDataCollator
-from .memory import enable_memory_features
+from .memory import enable_memory_features, fused_loss_inputs
 from .sharding import IGNORE_INDEX, prepare_sp_batch
 from .topology import SPTopology, sp_topology
 
@@ -78,6 +79,14 @@ class SequenceParallelMixin:
         self.ulysses.attach(model)
         self._sp_pad_id = _pad_token_id(model, self.processing_class)
 
+    def create_accelerator_and_postprocess(self):
+        cpu_fsdp = wants_cpu_backend(self.args) == "fsdp"
+        if cpu_fsdp:
+            drop_cpu_fsdp_mesh(self.args)
+        super().create_accelerator_and_postprocess()
+        if cpu_fsdp:
+            enable_cpu_fsdp(self)
+
     # -- data -----------------------------------------------------------------------------------------------------
     def _sp_shard_over_dp(self, dataloader):
         """Make a prepared dataloader shard over DP ranks only: the ranks of an SP group get the same batches."""
@@ -128,6 +137,7 @@ class SequenceParallelMixin:
         return prepare_sp_batch(inputs, self.sp.sp_rank, self.sp.sp_size, self._sp_pad_id)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = fused_loss_inputs(self, model, inputs, return_outputs)  # memory stack: fused LM-head loss if enabled
         if self.sp is None or model.training or "shift_labels" not in inputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # Evaluation: the batch's loss is the mean over its tokens, i.e. over the whole SP group, as on one device
@@ -145,6 +155,7 @@ class SequenceParallelMixin:
 
     # -- evaluation -----------------------------------------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        self._sp_prediction_loss_only = prediction_loss_only  # memory stack: no logits needed -> fused loss
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         if self.sp is not None:  # back to full sequences (padded to a multiple of sp_size)
             logits, labels = (self._sp_gather_sequence(x) for x in (logits, labels))

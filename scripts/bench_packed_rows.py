@@ -14,25 +14,12 @@ import argparse
 import csv
 import json
 import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-
-def _peak_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+from _bench_common import free_port, peak_mb, reset_peak, set_malloc_env
 
 
 def _model(attn: str):
@@ -80,7 +67,7 @@ def _worker(rank, world, port, args, out_path):
             for repeat in range(args.repeats + 1):  # first run warms up
                 model.zero_grad(set_to_none=True)
                 dist.barrier()
-                _reset_peak()
+                reset_peak()
                 start = time.perf_counter()
                 loss = model(**shard, num_items_in_batch=torch.tensor(length)).loss
                 loss.backward()
@@ -93,7 +80,7 @@ def _worker(rank, world, port, args, out_path):
                     "doc_size": doc_size or length,
                     "docs": length // (doc_size or length),
                     "step_s": min(times),
-                    "peak_mb": _peak_mb(),
+                    "peak_mb": peak_mb(),
                 }
             )
     if rank == 0:
@@ -113,10 +100,8 @@ def main() -> None:
     parser.add_argument("--out", default="runs/bench_packed_rows")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    os.environ.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")  # inherited by the workers
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    set_malloc_env()  # inherited by the workers
+    port = free_port()
     raw = os.path.join(args.out, "raw.json")
     mp.spawn(_worker, args=(args.sp, port, args, raw), nprocs=args.sp)
     with open(raw) as f:

@@ -167,6 +167,10 @@ class Case:
     max_len: int = 40
     model_overrides: dict = field(default_factory=dict)
     train_overrides: dict = field(default_factory=dict)  # extra TrainingArguments for both runs
+    backend: str = "ddp"  # ddp | fsdp2 | zero1 | zero2 | zero3, "+offload" for ZeRO CPU offload (SP run only)
+    sp_overrides: dict = field(default_factory=dict)  # extra TrainingArguments for the SP run only (e.g. bf16)
+    env: dict = field(default_factory=dict)  # environment variables for the SP run (e.g. PARALLELISM_CONFIG_*)
+    tol: float = 1e-5
 
     @property
     def dp_size(self) -> int:
@@ -174,6 +178,58 @@ class Case:
 
     def with_(self, **kw) -> Case:
         return replace(self, **kw)
+
+
+def backend_args(backend: str) -> dict:
+    """TrainingArguments selecting ``backend``: FSDP2 over all ranks, or DeepSpeed ZeRO-n (optionally offloaded)."""
+    if backend == "ddp":
+        return {}
+    if backend == "fsdp2":
+        fsdp = {"fsdp_version": 2, "reshard_after_forward": True, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
+        return {"fsdp": True, "fsdp_config": fsdp}
+    stage, _, offload = backend.partition("+")
+    assert stage in ("zero1", "zero2", "zero3") and offload in ("", "offload"), backend
+    zero = {"stage": int(stage[-1])}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if zero["stage"] == 3:
+            zero["offload_param"] = {"device": "cpu"}
+    config = {
+        "zero_optimization": zero,
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "zero_force_ds_cpu_optimizer": False,  # the Trainer's torch AdamW, as in the reference, also when offloaded
+    }
+    return {"deepspeed": config}
+
+
+def reset_backend_state() -> None:
+    """Forget what a previous run in this process left behind (several cases share one spawned process)."""
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # a previous ZeRO-3 run would make from_config partition the next model
+    leftovers = ("FSDP_", "ACCELERATE_USE_", "PARALLELISM_CONFIG_")
+    for key in [k for k in os.environ if k.startswith(leftovers)]:
+        del os.environ[key]  # set by a previous run's TrainingArguments (FSDP, DeepSpeed, parallelism config)
+
+
+def full_parameters(model) -> dict[str, torch.Tensor]:
+    """Full (unsharded) copies of the parameters under DDP, FSDP2 (DTensor) or ZeRO-3 (collective on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    if any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params):
+            return {k: v.detach().float().clone() for k, v in model.named_parameters()}
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().clone()
+        for k, v in model.named_parameters()
+    }
 
 
 def record_inputs(model) -> list[dict[str, torch.Tensor]]:
@@ -188,15 +244,15 @@ def record_inputs(model) -> list[dict[str, torch.Tensor]]:
     return seen
 
 
-def train_case(case: Case, sp: bool, out_dir: str) -> dict:
-    """Train ``case`` with plain ``Trainer`` (``sp=False``, one process) or ``SPTrainer``; return what to compare."""
+def build_trainer(case: Case, sp: bool, out_dir: str, **extra_args):
+    """The ``case``'s model and trainer: plain ``Trainer`` in one process (``sp=False``) or ``SPTrainer``."""
     import transformers
     from transformers import DataCollatorWithFlattening
 
     from hf_sp_trainer import SPTrainer, TrainingArguments
 
+    reset_backend_state()
     model = tiny_model(case.family, attn=case.attn, **case.model_overrides)
-    init = {k: v.detach().clone() for k, v in model.named_parameters()}
     global_batch = case.batch_size * case.dp_size
     n_train = case.n_train or global_batch * case.grad_accum * case.steps
     train = synthetic_dataset(n_train, seed=1, max_len=case.max_len, masked_prompt=case.masked_prompt)
@@ -218,12 +274,13 @@ def train_case(case: Case, sp: bool, out_dir: str) -> dict:
         use_cpu=True,
         dataloader_num_workers=0,
         remove_unused_columns=False,
-        **case.train_overrides,
     )
+    common.update(case.train_overrides, **extra_args)
     if sp:
-        args = TrainingArguments(
-            per_device_train_batch_size=case.batch_size, sp_size=case.sp_size, ddp_backend="gloo", **common
-        )
+        os.environ.update(case.env)
+        common.update(per_device_train_batch_size=case.batch_size, sp_size=case.sp_size, ddp_backend="gloo")
+        common.update(backend_args(case.backend), **case.sp_overrides)
+        args = TrainingArguments(**common)
         trainer = SPTrainer(model=model, args=args, train_dataset=train, eval_dataset=evals)
     else:
         args = transformers.TrainingArguments(per_device_train_batch_size=global_batch, **common)
@@ -231,20 +288,32 @@ def train_case(case: Case, sp: bool, out_dir: str) -> dict:
         trainer = transformers.Trainer(
             model=model, args=args, train_dataset=train, eval_dataset=evals, data_collator=collator
         )
+    return model, trainer, evals
+
+
+def logged_steps(trainer) -> list[tuple[float, float]]:
+    """(loss, grad_norm) of every logged optimizer step."""
+    return [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
+
+
+def train_case(case: Case, sp: bool, out_dir: str) -> dict:
+    """Train ``case`` with plain ``Trainer`` (``sp=False``, one process) or ``SPTrainer``; return what to compare."""
+    model, trainer, evals = build_trainer(case, sp, out_dir)
+    init = {k: v.detach().clone() for k, v in model.named_parameters()}
     seen = record_inputs(model)
     trainer.train()
     empty_shards = sum(int((x["shift_labels"] != -100).sum() == 0) for x in seen if "shift_labels" in x)
     eval_loss = trainer.evaluate()["eval_loss"]
     prediction = trainer.predict(evals[: case.eval_batch_size])  # one batch: logits gathered back along the sequence
-    logs = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    logs = logged_steps(trainer)
+    params = full_parameters(model) if sp else {k: v.detach().clone() for k, v in model.named_parameters()}
     return {
-        "losses": [e["loss"] for e in logs],
-        "grad_norms": [e["grad_norm"] for e in logs],
+        "losses": [loss for loss, _ in logs],
+        "grad_norms": [norm for _, norm in logs],
         "eval_loss": eval_loss,
         "global_step": trainer.state.global_step,
         "empty_shards": empty_shards,
-        "predictions": torch.as_tensor(prediction.predictions),
+        "predictions": torch.as_tensor(prediction.predictions).float(),
         "test_loss": prediction.metrics["test_loss"],
         "params": params if not sp or dist.get_rank() == 0 else None,
         "init": init if not sp or dist.get_rank() == 0 else None,
@@ -264,6 +333,9 @@ def run_sp_cases(cases: list[Case]) -> dict[str, dict]:
 # ----------------------------------------------------------------------------------------------------------------
 # comparison
 # ----------------------------------------------------------------------------------------------------------------
+REPORT_KEYS = ("loss", "grad_norm", "eval_loss", "params", "predict", "test_loss")
+
+
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 

@@ -45,15 +45,35 @@ def tiny_run(tmp_path_factory):
         "--report_to", "none", "--bf16", "false", "--save_strategy", "no", "--seed", "0",
     ]  # fmt: skip
 
-    def run(name, launcher, *flags):
+    def run(name, *launchers, flags=()):
+        """Run ``launchers`` (one per emulated node) concurrently with the common flags; return (loss, grad_norm)."""
         out = root / name
-        cmd = [*launcher, *common, "--output_dir", str(out), *flags]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        procs = [
+            subprocess.Popen(
+                [*launcher, *common, "--output_dir", str(out), *flags],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+            )  # fmt: skip
+            for launcher in launchers
+        ]
+        for proc in procs:
+            output = proc.communicate(timeout=600)[0]
+            assert proc.returncode == 0, output[-4000:]
         history = json.loads((out / "trainer_state.json").read_text())["log_history"]
         return [(e["loss"], e["grad_norm"]) for e in history if "grad_norm" in e]
 
     return run
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_run):
+    return tiny_run("sp1", [f"{BIN}/hf-sp-sft", "--num_processes", "1", "--max_length", "none"])
+
+
+def assert_same_steps(got, reference):
+    assert len(reference) == 3
+    for (loss, norm), (ref_loss, ref_norm) in zip(got, reference, strict=True):
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (got, reference)
+        assert abs(norm - ref_norm) <= 1e-5 * abs(ref_norm), (got, reference)
 
 
 def test_main_job_runs_end_to_end(tmp_path):
@@ -69,13 +89,47 @@ def test_main_job_runs_end_to_end(tmp_path):
     assert (tmp_path / "job" / "model.safetensors").exists()
 
 
-def test_cli_lora_sp2_matches_one_process(tiny_run):
-    reference = tiny_run("sp1", [f"{BIN}/hf-sp-sft"], "--num_processes", "1", "--max_length", "none")
-    launched = tiny_run("sp2", [f"{BIN}/hf-sp-sft"], "--num_processes", "2", "--sp_size", "2")
-    torchrun = tiny_run("torchrun", [f"{BIN}/torchrun", "--nproc_per_node", "2", f"{BIN}/hf-sp-sft"], "--sp_size", "2",
-                        "--use_cpu")  # fmt: skip
-    assert len(reference) == 3
+def test_cli_lora_sp2_matches_one_process(tiny_run, reference):
+    launched = tiny_run("sp2", [f"{BIN}/hf-sp-sft", "--num_processes", "2", "--sp_size", "2"])
+    torchrun = tiny_run("torchrun", [f"{BIN}/torchrun", "--nproc_per_node", "2", f"{BIN}/hf-sp-sft", "--sp_size", "2",
+                                     "--use_cpu"])  # fmt: skip
     for got in (launched, torchrun):
-        for (loss, norm), (ref_loss, ref_norm) in zip(got, reference, strict=True):
-            assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
-            assert abs(norm - ref_norm) <= 1e-5 * abs(ref_norm)
+        assert_same_steps(got, reference)
+
+
+def test_cli_accelerate_routes(tiny_run, reference):
+    """accelerate's own flags: FSDP2 with `--parallelism_config_sp_size 2`, and DeepSpeed ZeRO-3 with --sp_size 2."""
+    fsdp = tiny_run("fsdp_pc", [f"{BIN}/hf-sp-sft", "--num_processes", "2", "--use_fsdp", "--fsdp_version", "2",
+                                "--use_parallelism_config", "--parallelism_config_sp_size", "2"])  # fmt: skip
+    zero3 = tiny_run("zero3", [f"{BIN}/hf-sp-sft", "--num_processes", "2", "--use_deepspeed", "--zero_stage", "3",
+                               "--sp_size", "2"])  # fmt: skip
+    for got in (fsdp, zero3):
+        assert_same_steps(got, reference)
+
+
+def _nodes(port: int, launcher) -> list[list[str]]:
+    return [launcher(rank, str(port)) for rank in (0, 1)]
+
+
+def test_multinode_launchers_on_loopback(tiny_run, reference, tmp_path):
+    """Two emulated nodes (one process each, rendezvous on 127.0.0.1) under torchrun, accelerate and the deepspeed
+    launcher: sp_size 2 spans the nodes and reproduces the one-process run."""
+    from tests.harness import _free_port
+
+    torchrun = tiny_run("multinode_torchrun", *_nodes(_free_port(), lambda rank, port: [
+        f"{BIN}/torchrun", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank),
+        "--master_addr", "127.0.0.1", "--master_port", port, f"{BIN}/hf-sp-sft", "--sp_size", "2", "--use_cpu",
+    ]))  # fmt: skip
+    accelerate = tiny_run("multinode_accelerate", *_nodes(_free_port(), lambda rank, port: [
+        f"{BIN}/hf-sp-sft", "--num_processes", "2", "--num_machines", "2", "--machine_rank", str(rank),
+        "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--sp_size", "2",
+    ]))  # fmt: skip
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+    deepspeed = tiny_run("multinode_deepspeed", *_nodes(_free_port(), lambda rank, port: [
+        f"{BIN}/deepspeed", "--hostfile", str(hostfile), "--no_ssh", "--num_nodes", "2", "--node_rank", str(rank),
+        "--num_gpus", "1", "--master_addr", "127.0.0.1", "--master_port", port,
+        f"{BIN}/hf-sp-sft", "--sp_size", "2", "--use_cpu",
+    ]))  # fmt: skip
+    for got in (torchrun, accelerate, deepspeed):
+        assert_same_steps(got, reference)

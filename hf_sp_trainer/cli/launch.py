@@ -7,6 +7,7 @@ Flags the training dataclasses don't know (``--num_processes``, ``--num_machines
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -76,10 +77,16 @@ def make_launcher_parser():
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
 
     from ..arguments import SequenceParallelArguments
+    from ..memory import MemoryArguments
 
-    parser = TrlParser(
-        (ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig, SequenceParallelArguments), prog="hf-sp-sft"
-    )
+    trl_fields = {f.name for f in dataclasses.fields(SFTConfig)}  # TRL has `activation_offloading` already
+    memory = dataclasses.make_dataclass(
+        "MemoryArguments",
+        [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
+         for f in dataclasses.fields(MemoryArguments) if f.name not in trl_fields],
+    )  # fmt: skip
+    dataclass_types = (ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig, SequenceParallelArguments, memory)
+    parser = TrlParser(dataclass_types, prog="hf-sp-sft")
     parser.epilog = EPILOG
     parser.formatter_class = _HelpFormatter
     return parser
@@ -94,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if _on_cpu_only() and "--use_cpu" not in argv:
         argv.append("--use_cpu")  # else TrainingArguments refuses its bf16 default on a CPU-only machine
-    script, _, model, data, _, config_remaining, cli_remaining = make_launcher_parser().parse_args_and_config(
+    script, _, model, data, *_, config_remaining, cli_remaining = make_launcher_parser().parse_args_and_config(
         argv, return_remaining_strings=True, separate_remaining_strings=True
     )
     launch_args = config_remaining + cli_remaining

@@ -1,0 +1,1 @@
+"""Distributed backends: how SP composes with DDP, FSDP2 and DeepSpeed ZeRO, and accelerate's ways of asking for SP."""

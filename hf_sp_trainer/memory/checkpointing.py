@@ -1,0 +1,163 @@
+"""Sequence-aware selective checkpointing and checkpoint offload, wrapped around transformers' checkpoint function.
+
+With ``activation_checkpointing`` every decoder layer runs through ``layer._gradient_checkpointing_func`` (non-reentrant
+``torch.utils.checkpoint.checkpoint``). ``enable_checkpoint_features`` wraps that function:
+
+- ``checkpoint_policy="sequence_aware"`` passes a selective-checkpoint ``context_fn`` whose policy saves the outputs
+  of the sequence-level ops, the ones whose recomputation costs ``O(s^2)`` work or communication: the attention
+  kernels (SDPA backends, flash-attn, flex attention; ``bmm`` / ``softmax`` of eager attention) and the Ulysses
+  all-to-alls (the ``hf_sp_trainer::all_to_all`` op); every other op (projections, MLP, norms, RoPE: ``O(s)``) is
+  recomputed. Exact: saved values are the ones the recomputation would produce.
+- ``activation_offloading`` moves what the checkpoint itself saves, the layer's input hidden states, to host memory
+  (``offload.HostOffload``); on CPU there is no device memory to free and it is a no-op (with a warning).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils import logging
+
+from ..attention.all_to_all import all_to_all_op
+from .offload import HostOffload
+
+logger = logging.get_logger(__name__)
+_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its wrapping pre-hook
+
+POLICIES = ("full", "sequence_aware")
+_ATEN_SAVED = (
+    # fused attention kernels (CUDA, CPU, cuDNN, other backends)
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+    # eager attention (and the SDPA math fallback): the only batched matmuls and softmax of a dense decoder layer
+    "bmm",
+    "baddbmm",
+    "_softmax",
+)
+
+
+@functools.cache
+def saved_ops() -> frozenset:
+    """The ops whose outputs ``sequence_aware`` saves (matched by identity; flash-attn kernels by name)."""
+    ops = {getattr(torch.ops.aten, name).default for name in _ATEN_SAVED if hasattr(torch.ops.aten, name)}
+    ops.add(all_to_all_op._opoverload)
+    flex = getattr(torch.ops.higher_order, "flex_attention", None)
+    if flex is not None:
+        ops.add(flex)
+    return frozenset(ops)
+
+
+def sequence_aware_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op in saved_ops() or "flash_attn" in str(op):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def sequence_aware_context_fn():
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint`` (one fresh cache per checkpointed call)."""
+    return create_selective_checkpoint_contexts(sequence_aware_policy)
+
+
+class MemoryCheckpoint:
+    """A layer's checkpoint function with the selective policy and/or the offload hooks around it."""
+
+    def __init__(self, inner, context_fn=None, offload: HostOffload | None = None):
+        self.inner, self.context_fn, self.offload = inner, context_fn, offload
+
+    def __call__(self, function, *args, **kwargs):
+        if self.context_fn is not None:
+            kwargs["context_fn"] = self.context_fn
+        if self.offload is None:
+            return self.inner(function, *args, **kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(self.offload.pack, self.offload.unpack):
+            return self.inner(function, *args, **kwargs)
+
+
+def _checkpointing_on(args) -> bool:
+    """``activation_checkpointing`` (transformers >= 5.24), or its deprecated alias ``gradient_checkpointing``."""
+    return bool(getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False))
+
+
+def _checkpoint_kwargs(args) -> dict[str, Any]:
+    kwargs = getattr(args, "activation_checkpointing_kwargs", None)
+    return dict(kwargs or getattr(args, "gradient_checkpointing_kwargs", None) or {})
+
+
+def checkpointed_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers transformers runs through ``_gradient_checkpointing_func``."""
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+
+
+def enable_checkpoint_features(model: torch.nn.Module, args) -> None:
+    """Wrap the checkpoint function of ``model``'s checkpointed layers as ``args`` ask.
+
+    Transformers switches checkpointing on in ``Trainer.train`` (and PEFT / TRL may switch it on again), so the wrapping
+    is done by a forward pre-hook on ``model``, before every forward, for whichever layers are checkpointed then.
+    Raises a ``ValueError`` for an unknown policy, and for either feature without (non-reentrant, for the policy)
+    activation checkpointing.
+    """
+    policy, offload = getattr(args, "checkpoint_policy", "full"), getattr(args, "activation_offloading", False)
+    if policy not in POLICIES:
+        raise ValueError(f"checkpoint_policy={policy!r} is not one of {POLICIES}.")
+    selective = policy == "sequence_aware"
+    if not (selective or offload):
+        return
+    wanted = " and ".join(
+        n for n, on in (("checkpoint_policy='sequence_aware'", selective), ("activation_offloading", offload)) if on
+    )
+    if not (_checkpointing_on(args) or checkpointed_modules(model)):
+        raise ValueError(
+            f"{wanted} act on activation checkpointing, which is off: set activation_checkpointing=True "
+            "(gradient_checkpointing=True before transformers 5.24)."
+        )
+    if selective and _checkpoint_kwargs(args).get("use_reentrant"):
+        raise ValueError(
+            "checkpoint_policy='sequence_aware' needs non-reentrant checkpointing (the transformers default); remove "
+            "use_reentrant=True from activation_checkpointing_kwargs."
+        )
+    if selective and _checkpoint_kwargs(args).get("selective"):
+        raise ValueError(
+            "checkpoint_policy='sequence_aware' and TRL's gradient_checkpointing_kwargs={'selective': True} are two "
+            "selective-checkpoint policies; use one of them."
+        )
+    hooks = None
+    if offload:
+        if torch.cuda.is_available():
+            hooks = HostOffload()
+        else:
+            logger.warning_once(
+                "activation_offloading=True has no effect on CPU: the checkpointed activations already live in host "
+                "memory. Training proceeds without offloading."
+            )
+    if model in _HOOKS:  # enabled before (e.g. a second trainer on the same model): the new settings replace it
+        _HOOKS.pop(model).remove()
+    if selective or hooks is not None:
+        context_fn = sequence_aware_context_fn if selective else None
+
+        def before_forward(module, _args) -> None:
+            wrap_checkpointed_layers(module, context_fn, hooks)
+
+        _HOOKS[model] = model.register_forward_pre_hook(before_forward)
+
+
+def wrap_checkpointed_layers(model: torch.nn.Module, context_fn=None, offload: HostOffload | None = None) -> int:
+    """Give every checkpointed layer of ``model`` a ``MemoryCheckpoint`` with these settings; returns the count."""
+    layers = checkpointed_modules(model)
+    for layer in layers:
+        current = layer._gradient_checkpointing_func
+        if isinstance(current, MemoryCheckpoint):
+            if (current.context_fn, current.offload) == (context_fn, offload):
+                continue
+            current = current.inner
+        layer._gradient_checkpointing_func = MemoryCheckpoint(current, context_fn, offload)
+    return len(layers)

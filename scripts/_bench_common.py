@@ -1,0 +1,83 @@
+"""Pieces shared by the benchmark scripts: per-process peak memory on Linux, free ports, glibc settings."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+# glibc returns freed memory to the OS (large blocks unmapped, the heap trimmed), so VmHWM measures what a step
+# really needs instead of what the allocator kept from earlier steps. Inherited by spawned workers.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+def set_malloc_env() -> None:
+    """Call in the parent before spawning workers (glibc reads these at process start)."""
+    os.environ.update(MALLOC_ENV)
+
+
+def _status_mb(key: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def peak_mb() -> float:
+    """This process's peak resident memory (VmHWM) since the last ``reset_peak``, in MiB."""
+    return _status_mb("VmHWM")
+
+
+def rss_mb() -> float:
+    """This process's current resident memory (VmRSS), in MiB."""
+    return _status_mb("VmRSS")
+
+
+def reset_peak() -> None:
+    """Reset VmHWM to the current resident size."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def available_mb() -> float:
+    """MemAvailable of the machine, in MiB."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
+
+
+def write_table(out_dir: str, stem: str, rows: list[dict], meta: dict) -> None:
+    """``stem.csv`` (the rows) and ``stem.json`` (``meta`` plus the rows) in ``out_dir``."""
+    import csv
+    import json
+
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump({**meta, "rows": rows}, f, indent=1)
+    if not rows:
+        return
+    keys = list(dict.fromkeys(k for row in rows for k in row))
+    with open(os.path.join(out_dir, f"{stem}.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def pyplot():
+    """matplotlib's pyplot with a file backend, or None (with a message) when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG (pip install -e '.[bench]')")
+        return None
+    return plt

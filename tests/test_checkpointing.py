@@ -1,0 +1,250 @@
+"""Sequence-aware selective checkpointing and checkpoint offload.
+
+- ``sequence_aware`` does not recompute what full checkpointing recomputes at O(s^2) or communication cost: counted
+  at the dispatcher during backward (attention kernels, Ulysses all-to-alls, gloo all-to-all calls), with identical
+  gradients;
+- the offload hooks move exactly the checkpointed hidden states and leave gradients bit-identical (run on CPU with
+  host copies; on CPU the feature itself is a warned no-op);
+- training with either feature (and both, with SP=2, eager attention, LoRA via SPSFTTrainer) equals plain
+  single-process training within 1e-5; misuse raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import os
+import tempfile
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_sp_trainer.memory import MemoryArguments
+from hf_sp_trainer.memory.checkpointing import MemoryCheckpoint, checkpointed_modules, wrap_checkpointed_layers
+from hf_sp_trainer.memory.offload import HostOffload
+from tests.harness import (
+    REPORT_KEYS,
+    Case,
+    compare,
+    run_distributed,
+    run_sp_cases,
+    synthetic_dataset,
+    tiny_model,
+    train_case,
+    unwrap_results,
+)
+from tests.sft_harness import SFTCase, run_sft_cases, train_sft_case
+
+TOL = 1e-5
+MEMORY_FIELDS = {f.name for f in dataclasses.fields(MemoryArguments)}
+GC = {"gradient_checkpointing": True}
+SAC = {"checkpoint_policy": "sequence_aware"}
+OFFLOAD = {"activation_offloading": True}
+CASES = [
+    Case("sac_llama_sp2", train_overrides=GC, sp_overrides=SAC),
+    Case(
+        "sac_offload_mistral_eager_sp2", family="mistral", attn="eager", train_overrides=GC, sp_overrides=SAC | OFFLOAD
+    ),
+    Case("offload_qwen3_sp2", family="qwen3", optim="sgd", train_overrides=GC, sp_overrides=OFFLOAD),
+]
+SFT_CASES = [SFTCase("sft_lora_sac_offload_sp2", lora=True, config=SAC | OFFLOAD)]  # TRL checkpoints by default
+ATTENTION_OP = "aten._scaled_dot_product_flash_attention_for_cpu.default"
+ALL_TO_ALL_OP = "hf_sp_trainer.all_to_all.default"
+GLOO_ALL_TO_ALL = "c10d.alltoall_base_.default"
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every op that actually executes (SAC's cache answers saved ops before they reach this mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _forward_backward(model, inputs) -> tuple[Counter, Counter, dict[str, torch.Tensor]]:
+    with OpCounter() as forward:
+        loss = model(**inputs).loss
+    with OpCounter() as backward:
+        loss.backward()
+    return forward.counts, backward.counts, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _max_rel(a: dict, b: dict) -> float:
+    return max(float((a[n] - b[n]).norm() / b[n].norm().clamp(min=1e-30)) for n in b)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one process
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "attn, recomputed_kernel_ops", [("sdpa", (ATTENTION_OP,)), ("eager", ("aten._softmax.default",))]
+)
+def test_sequence_aware_skips_attention_recompute(attn, recomputed_kernel_ops):
+    base = tiny_model("llama", attn=attn).train()
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids, "position_ids": torch.cat([torch.arange(12), torch.arange(18)])[None]}
+    runs = {}
+    for policy in ("off", "full", "sequence_aware"):
+        model = copy.deepcopy(base)
+        if policy != "off":
+            model.activation_checkpointing_enable()
+        if policy == "sequence_aware":
+            from hf_sp_trainer.memory.checkpointing import sequence_aware_context_fn
+
+            assert wrap_checkpointed_layers(model, sequence_aware_context_fn) == 2
+        runs[policy] = _forward_backward(model, inputs)
+    for op in recomputed_kernel_ops:
+        calls = runs["off"][0][op]
+        assert calls > 0
+        assert [runs[p][1][op] for p in ("off", "full", "sequence_aware")] == [0, calls, 0]
+    for policy in ("full", "sequence_aware"):
+        assert _max_rel(runs[policy][2], runs["off"][2]) == 0.0
+
+
+def test_offload_hooks_move_the_checkpointed_hidden_states():
+    """The CUDA path's hooks with host copies on CPU: one hidden state per layer leaves and comes back exactly."""
+    base = tiny_model("qwen3").train()
+    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": ids, "labels": ids}
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    for m in (ref, model):
+        m.activation_checkpointing_enable()
+    hooks = HostOffload(device_type="cpu", min_bytes=0)
+    for layer in checkpointed_modules(model):
+        layer._gradient_checkpointing_func = MemoryCheckpoint(layer._gradient_checkpointing_func, None, hooks)
+    *_, ref_grads = _forward_backward(ref, inputs)
+    *_, grads = _forward_backward(model, inputs)
+    assert hooks.packed == 2  # the input hidden states of the 2 checkpointed decoder layers
+    assert _max_rel(grads, ref_grads) == 0.0
+
+
+def _sp_trainer(tmp_path, **args):
+    from transformers import DataCollatorWithFlattening
+
+    from hf_sp_trainer import SPTrainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", **args)
+    collator = DataCollatorWithFlattening(return_position_ids=True)
+    return SPTrainer(model=tiny_model("llama"), args=args, train_dataset=synthetic_dataset(2), data_collator=collator)
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (SAC, "activation checkpointing, which is off"),
+        (OFFLOAD, "activation checkpointing, which is off"),
+        (GC | SAC | {"gradient_checkpointing_kwargs": {"use_reentrant": True}}, "non-reentrant"),
+        (GC | {"checkpoint_policy": "selective"}, "checkpoint_policy='selective' is not one of"),
+    ],
+)
+def test_misuse_raises(tmp_path, args, match):
+    with pytest.raises(ValueError, match=match):
+        _sp_trainer(tmp_path, **args)
+
+
+def test_offload_on_cpu_is_a_warned_no_op(tmp_path, caplog):
+    from transformers.utils.logging import warning_once
+
+    warning_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="hf_sp_trainer.memory.checkpointing"):
+        trainer = _sp_trainer(tmp_path, max_steps=1, per_device_train_batch_size=2, **GC, **OFFLOAD)
+    assert "activation_offloading=True has no effect on CPU" in caplog.text
+    trainer.train()
+    layers = checkpointed_modules(trainer.model)
+    assert layers and not any(isinstance(m._gradient_checkpointing_func, MemoryCheckpoint) for m in layers)
+
+
+def test_sp_sft_trainer_routes_activation_offloading_to_ours(tmp_path, caplog):
+    """TRL's own offloader needs an accelerator (on CPU it fails in SFTTrainer.__init__): SPSFTTrainer uses ours."""
+    from transformers.utils.logging import warning_once
+
+    from hf_sp_trainer import SFTConfig, SPSFTTrainer
+    from hf_sp_trainer.data import build_char_tokenizer
+    from tests.sft_harness import sft_dataset
+
+    warning_once.cache_clear()
+    args = SFTConfig(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False, max_length=None, dataset_num_proc=None,
+        **OFFLOAD,
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="hf_sp_trainer.memory.checkpointing"):
+        trainer = SPSFTTrainer(
+            model=tiny_model("llama"),
+            args=args,
+            train_dataset=sft_dataset("text", 4, 0),
+            processing_class=build_char_tokenizer(),
+        )
+    assert args.activation_checkpointing and args.activation_offloading  # TRL checkpoints by default
+    assert isinstance(trainer.maybe_activation_offload_context, contextlib.nullcontext)
+    assert "activation_offloading=True has no effect on CPU" in caplog.text
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SP=2: recomputation counted, and training equivalence
+# ----------------------------------------------------------------------------------------------------------------
+def _recompute_counts(policy: str, out_dir: str) -> dict:
+    from hf_sp_trainer import SPTrainer, TrainingArguments
+
+    model = tiny_model("llama")
+    args = TrainingArguments(
+        output_dir=out_dir, sp_size=2, ddp_backend="gloo", use_cpu=True, report_to="none",
+        per_device_train_batch_size=3, checkpoint_policy=policy, **GC,
+    )  # fmt: skip
+    trainer = SPTrainer(model=model, args=args, train_dataset=synthetic_dataset(3, seed=1))
+    model.activation_checkpointing_enable()  # as Trainer.train does first; then one micro-step by hand
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    forward, backward, grads = _forward_backward(model.train(), inputs)
+    keys = (ATTENTION_OP, ALL_TO_ALL_OP, GLOO_ALL_TO_ALL)
+    return {"forward": {k: forward[k] for k in keys}, "backward": {k: backward[k] for k in keys}, "grads": grads}
+
+
+def _run_all(cases: list[Case], sft_cases: list[SFTCase]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        counts = {p: _recompute_counts(p, os.path.join(tmp, p)) for p in ("full", "sequence_aware")}
+    return {"counts": counts, "train": run_sp_cases(cases), "sft": run_sft_cases(sft_cases)}
+
+
+@pytest.fixture(scope="module")
+def sp_results():
+    return unwrap_results(run_distributed(2, _run_all, CASES, SFT_CASES))
+
+
+def test_sequence_aware_recomputes_no_attention_and_no_all_to_all_sp2(sp_results):
+    for rank in sp_results:
+        print({p: {k: v for k, v in c.items() if k != "grads"} for p, c in rank["counts"].items()})
+        full, selective = rank["counts"]["full"], rank["counts"]["sequence_aware"]
+        kernels, exchanges = full["forward"][ATTENTION_OP], full["forward"][ALL_TO_ALL_OP]
+        assert kernels > 0 and exchanges == 4 * 2  # q, k, v, out per layer
+        assert full["forward"] == selective["forward"]
+        assert full["backward"][ATTENTION_OP] == kernels and selective["backward"][ATTENTION_OP] == 0
+        assert full["backward"][ALL_TO_ALL_OP] == exchanges and selective["backward"][ALL_TO_ALL_OP] == 0
+        # the gradients' gloo exchanges (a replayed forward one is inside the op counted above)
+        assert full["backward"][GLOO_ALL_TO_ALL] == selective["backward"][GLOO_ALL_TO_ALL] == exchanges
+        assert _max_rel(selective["grads"], full["grads"]) == 0.0
+
+
+def _reference(case, out_dir: str) -> dict:
+    """Plain single-process ``Trainer`` / ``SFTTrainer`` (the memory fields are the SP run's only)."""
+    if isinstance(case, SFTCase):
+        config = {k: v for k, v in case.config.items() if k not in MEMORY_FIELDS}
+        return train_sft_case(dataclasses.replace(case, config=config), sp=False, out_dir=out_dir)
+    return train_case(case, sp=False, out_dir=out_dir)
+
+
+@pytest.mark.parametrize("case", CASES + SFT_CASES, ids=lambda c: c.name)
+def test_checkpoint_features_train_like_plain_single_process(case, sp_results, tmp_path):
+    got = sp_results[0]["sft" if isinstance(case, SFTCase) else "train"][case.name]
+    diffs = compare(_reference(case, str(tmp_path)), got)
+    print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
+    assert got["global_step"] == case.steps
+    for key in REPORT_KEYS:
+        if key in diffs:
+            assert diffs[key] <= TOL, f"{case.name}: {key} differs by {diffs[key]:.3e} (relative)"

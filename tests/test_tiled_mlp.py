@@ -1,0 +1,188 @@
+"""Tiled MLP: the same MLP to fp32 round-off on every supported family, one gradient accumulation per parameter and
+call, and training equal to plain single-process training — under SP=2 (DDP over the SP group), FSDP2 and ZeRO-3,
+with gradient checkpointing and the other memory features, and with LoRA on an MLP linear (SPSFTTrainer)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import Counter
+
+import pytest
+import torch
+
+from hf_sp_trainer.memory import MemoryArguments
+from hf_sp_trainer.memory.tiled_mlp import TiledMLP, apply_tiled_mlp, remove_tiled_mlp
+from tests.harness import (
+    FAMILIES,
+    REPORT_KEYS,
+    Case,
+    compare,
+    run_distributed,
+    run_sp_cases,
+    tiny_model,
+    train_case,
+    unwrap_results,
+)
+from tests.sft_harness import SFTCase, run_sft_cases, train_sft_case
+
+TOL = 1e-5
+MEMORY_FIELDS = {f.name for f in dataclasses.fields(MemoryArguments)}
+TILED = {"tiled_mlp": True, "tiled_mlp_num_shards": 3}
+ALL_FEATURES = TILED | {"checkpoint_policy": "sequence_aware", "activation_offloading": True, "fused_loss": True}
+CASES = [
+    Case("tiled_llama_sp2", sp_overrides=TILED),
+    Case(
+        "tiled_gemma3_all_memory_features_sp2",
+        family="gemma3",
+        train_overrides={"gradient_checkpointing": True},
+        sp_overrides=ALL_FEATURES,
+    ),
+    Case("tiled_fsdp2_sp2", backend="fsdp2", sp_overrides=TILED),
+    Case("tiled_zero3_sp2", backend="zero3", sp_overrides=TILED),
+]
+SFT_CASES = [SFTCase("tiled_lora_sft_sp2", lora=True, config=TILED)]  # LoRA on up_proj; TRL checkpoints by default
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _max_rel(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[n] - b[n]).norm() / b[n].norm().clamp(min=1e-30)) for n in b)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# one process
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tiled_mlp_is_the_mlp(family):
+    ref = tiny_model(family).train()
+    model = copy.deepcopy(ref)
+    assert apply_tiled_mlp(model, num_shards=4) == 2
+    assert list(model.state_dict()) == list(ref.state_dict())  # names unchanged
+    calls = Counter()
+    for name, module in model.named_modules():
+        if name.endswith("mlp.down_proj"):
+            module.register_forward_hook(lambda *_, n=name: calls.update([n]))
+    ids = torch.randint(3, 128, (2, 37), generator=torch.Generator().manual_seed(0))
+    ref_loss, ref_grads = _loss_and_grads(ref, ids)
+    loss, grads = _loss_and_grads(model, ids)
+    assert set(calls.values()) == {4 + 4}  # 4 tiles in forward, each recomputed once in backward
+    assert abs(float(loss - ref_loss)) <= 1e-6 * abs(float(ref_loss))
+    assert _max_rel(grads, ref_grads) <= TOL
+    remove_tiled_mlp(model)
+    assert not any(isinstance(m, TiledMLP) for m in model.modules())
+
+
+@pytest.mark.parametrize("lora, checkpointing", [(False, False), (True, False), (True, True)])
+def test_each_parameter_gradient_is_accumulated_once(lora, checkpointing):
+    """DDP / FSDP2 / ZeRO reduce a gradient when it is accumulated: once per MLP call, however many tiles. With
+    LoRA on every MLP linear the layer-0 MLP input does not require grad (frozen embeddings), the weights do."""
+    import peft
+
+    ref = tiny_model("llama").train()
+    if lora:
+        config = peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["gate_proj", "up_proj", "down_proj"]
+        )
+        ref = peft.get_peft_model(ref, config)
+        torch.nn.init.normal_(ref.base_model.model.model.layers[0].mlp.up_proj.lora_B.default.weight)
+    if checkpointing:
+        ref.base_model.model.activation_checkpointing_enable()
+    model = copy.deepcopy(ref)
+    apply_tiled_mlp(model, num_shards=5)
+    accumulations = Counter()
+    for name, p in model.named_parameters():
+        if ".mlp." in name and p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda _p, n=name: accumulations.update([n]))
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    _, ref_grads = _loss_and_grads(ref, ids)
+    _, grads = _loss_and_grads(model, ids)
+    assert len(accumulations) == (12 if lora else 6) and set(accumulations.values()) == {1}
+    assert _max_rel(grads, ref_grads) <= TOL
+
+
+def test_unrecognised_mlp_and_bad_tile_count_raise():
+    import transformers
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel has 1 decoder layers and unsupported parts \['GPT2MLP'\]"):
+        apply_tiled_mlp(gpt2)
+    with pytest.raises(ValueError, match="tiled_mlp_num_shards must be a positive"):
+        apply_tiled_mlp(tiny_model("llama"), num_shards=0)
+
+
+def test_tiled_mlp_evaluation_and_default_tile_count():
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, 128, (1, 200), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        apply_tiled_mlp(model)  # ceil(200 / hidden 64) = 4 tiles
+        got = model(input_ids=ids).logits
+    assert float((got - ref).norm() / ref.norm()) <= TOL
+
+
+def test_cli_accepts_the_memory_flags():
+    from hf_sp_trainer.cli.launch import make_launcher_parser
+    from hf_sp_trainer.cli.sft import make_parser
+
+    argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o", "--use_cpu", "--tiled_mlp",
+            "--tiled_mlp_num_shards", "4", "--checkpoint_policy", "sequence_aware",
+            "--activation_offloading"]  # fmt: skip
+    *_, config_remaining, cli_remaining = make_launcher_parser().parse_args_and_config(
+        argv, return_remaining_strings=True, separate_remaining_strings=True
+    )
+    assert config_remaining == cli_remaining == []
+    _, args, _, _ = make_parser().parse_args_and_config(argv)
+    assert (args.tiled_mlp, args.tiled_mlp_num_shards, args.checkpoint_policy) == (True, 4, "sequence_aware")
+    assert args.activation_offloading
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# training: SP=2 under DDP, FSDP2, ZeRO-3, LoRA
+# ----------------------------------------------------------------------------------------------------------------
+def _run_all(cases: list[Case], sft_cases: list[SFTCase]) -> dict:
+    """Every case in turn, with the number of tiled MLP calls it made."""
+    ran: Counter = Counter()
+    hook = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, *_: ran.update(["tiled"]) if isinstance(module, TiledMLP) else None
+    )
+    out = {}
+    try:
+        for case in sft_cases + cases:  # SFT first: a ZeRO-3 case leaves transformers' DeepSpeed config set
+            ran.clear()
+            run = run_sft_cases if isinstance(case, SFTCase) else run_sp_cases
+            out[case.name] = run([case])[case.name] | {"tiled_calls": ran["tiled"]}
+    finally:
+        hook.remove()
+    return out
+
+
+@pytest.fixture(scope="module")
+def sp_results():
+    return unwrap_results(run_distributed(2, _run_all, CASES, SFT_CASES))[0]
+
+
+def _reference(case, out_dir: str) -> dict:
+    """Plain single-process ``Trainer`` / ``SFTTrainer`` (the memory fields are the SP run's only)."""
+    if isinstance(case, SFTCase):
+        config = {k: v for k, v in case.config.items() if k not in MEMORY_FIELDS}
+        return train_sft_case(dataclasses.replace(case, config=config), sp=False, out_dir=out_dir)
+    return train_case(case, sp=False, out_dir=out_dir)
+
+
+@pytest.mark.parametrize("case", CASES + SFT_CASES, ids=lambda c: c.name)
+def test_tiled_mlp_trains_like_plain_single_process(case, sp_results, tmp_path):
+    got = sp_results[case.name]
+    assert got["tiled_calls"] > 0
+    diffs = compare(_reference(case, str(tmp_path)), got)
+    print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
+    assert got["global_step"] == case.steps
+    for key in REPORT_KEYS:
+        if key in diffs:
+            assert diffs[key] <= TOL, f"{case.name}: {key} differs by {diffs[key]:.3e} (relative)"
