@@ -20,7 +20,8 @@ class MemoryArguments:
     tiled_mlp_num_shards: int | None = field(
         default=None,
         metadata={
-            "help": "Number of sequence tiles per MLP call with --tiled_mlp. Default: ceil(local tokens / hidden)."
+            "help": "Number of sequence tiles per MLP call with --tiled_mlp. Default: "
+            "ceil(local tokens / max(hidden, 1024))."
         },
     )
     fused_loss: bool = field(

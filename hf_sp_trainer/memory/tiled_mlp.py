@@ -27,9 +27,12 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 _TILED_CLASSES: dict[type, type] = {}
 
 
+MIN_DEFAULT_TILE = 1024  # tokens: smaller tiles save nothing worth their per-tile overhead
+
+
 def _tiles(rows: int, num_shards: int | None, hidden: int) -> list[tuple[int, int]]:
-    """``[start, end)`` row ranges of the tiles; default ``ceil(rows / hidden)`` tiles (about square ones)."""
-    n = num_shards or math.ceil(rows / hidden)
+    """``[start, end)`` row ranges of the tiles; default ``ceil(rows / max(hidden, 1024))`` tiles (about square)."""
+    n = num_shards or math.ceil(rows / max(hidden, MIN_DEFAULT_TILE))
     n = max(1, min(n, rows))
     bounds = [rows * i // n for i in range(n + 1)]
     return list(zip(bounds[:-1], bounds[1:], strict=True))
