@@ -244,6 +244,20 @@ def record_inputs(model) -> list[dict[str, torch.Tensor]]:
     return seen
 
 
+def quiet_args(out_dir: str, steps: int) -> dict:
+    """TrainingArguments every comparison run shares: fixed seed, CPU, a log line per step, no saving or reporting."""
+    return dict(
+        output_dir=out_dir,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        use_cpu=True,
+    )
+
+
 def build_trainer(case: Case, sp: bool, out_dir: str, **extra_args):
     """The ``case``'s model and trainer: plain ``Trainer`` in one process (``sp=False``) or ``SPTrainer``."""
     import transformers
@@ -257,21 +271,13 @@ def build_trainer(case: Case, sp: bool, out_dir: str, **extra_args):
     n_train = case.n_train or global_batch * case.grad_accum * case.steps
     train = synthetic_dataset(n_train, seed=1, max_len=case.max_len, masked_prompt=case.masked_prompt)
     evals = synthetic_dataset(case.n_eval, seed=2, max_len=case.max_len, masked_prompt=case.masked_prompt)
-    common = dict(
-        output_dir=out_dir,
+    common = quiet_args(out_dir, case.steps) | dict(
         num_train_epochs=1,
-        max_steps=case.steps,
         gradient_accumulation_steps=case.grad_accum,
         per_device_eval_batch_size=case.eval_batch_size,
         optim=case.optim,
         learning_rate=5e-2 if case.optim == "sgd" else 1e-3,
         weight_decay=0.01,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        seed=0,
-        use_cpu=True,
         dataloader_num_workers=0,
         remove_unused_columns=False,
     )
@@ -334,6 +340,13 @@ def run_sp_cases(cases: list[Case]) -> dict[str, dict]:
 # comparison
 # ----------------------------------------------------------------------------------------------------------------
 REPORT_KEYS = ("loss", "grad_norm", "eval_loss", "params", "predict", "test_loss")
+
+
+def assert_within(name: str, diffs: dict[str, float], tol: float) -> None:
+    """Every reported difference (those of ``REPORT_KEYS`` that ``compare`` measured) is at most ``tol``."""
+    for key in REPORT_KEYS:
+        if key in diffs:
+            assert diffs[key] <= tol, f"{name}: {key} differs by {diffs[key]:.3e} (relative)"
 
 
 def rel(a: float, b: float) -> float:

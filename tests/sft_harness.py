@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import string
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from tests.harness import tiny_model
+from tests.harness import quiet_args, tiny_model
 
 
 @dataclass(frozen=True)
@@ -64,17 +65,10 @@ def train_sft_case(case: SFTCase, sp: bool, out_dir: str) -> dict:
     train = sft_dataset(case.data, case.n_train or global_batch * case.steps, seed=11)
     evals = sft_dataset(case.data, 4, seed=12)
     common = (
-        dict(
-            output_dir=out_dir,
-            max_steps=case.steps,
+        quiet_args(out_dir, case.steps)
+        | dict(
             per_device_eval_batch_size=2,
             learning_rate=1e-3,
-            logging_steps=1,
-            save_strategy="no",
-            report_to="none",
-            disable_tqdm=True,
-            seed=0,
-            use_cpu=True,
             padding_free=True,
             max_length=None,
             dataset_num_proc=None,
@@ -125,3 +119,16 @@ def train_sft_case(case: SFTCase, sp: bool, out_dir: str) -> dict:
 def run_sft_cases(cases: list[SFTCase]) -> dict[str, dict]:
     with tempfile.TemporaryDirectory() as tmp:
         return {case.name: train_sft_case(case, sp=True, out_dir=os.path.join(tmp, case.name)) for case in cases}
+
+
+def reference_run(case, out_dir: str) -> dict:
+    """Plain single-process ``Trainer`` / ``SFTTrainer`` for a ``Case`` or ``SFTCase`` whose SP run switches memory
+    features on (they are the SP run's only: dropped from an SFT case's shared config)."""
+    from hf_sp_trainer.memory import MemoryArguments
+    from tests.harness import train_case
+
+    if isinstance(case, SFTCase):
+        memory_fields = {f.name for f in dataclasses.fields(MemoryArguments)}
+        config = {k: v for k, v in case.config.items() if k not in memory_fields}
+        return train_sft_case(dataclasses.replace(case, config=config), sp=False, out_dir=out_dir)
+    return train_case(case, sp=False, out_dir=out_dir)

@@ -12,8 +12,8 @@ from accelerate import ParallelismConfig
 from transformers import TrainerCallback
 
 from tests.harness import (
-    REPORT_KEYS,
     Case,
+    assert_within,
     build_trainer,
     compare,
     logged_steps,
@@ -113,8 +113,7 @@ def test_backend_matches_single_process(case, sp_results, tmp_path):
     assert got["global_step"] == ref["global_step"] == case.steps
     if case.sp_overrides.get("bf16"):
         assert diffs["params"] > 1e-5, f"{case.name}: bf16 was not applied (fp32-exact results)"
-    for key in REPORT_KEYS:
-        assert diffs[key] <= case.tol, f"{case.name}: {key} differs by {diffs[key]:.3e} (relative)"
+    assert_within(case.name, diffs, case.tol)
 
 
 @pytest.fixture(scope="module")

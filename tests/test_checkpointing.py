@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import logging
 import os
 import tempfile
@@ -23,24 +22,21 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_sp_trainer.memory import MemoryArguments
 from hf_sp_trainer.memory.checkpointing import MemoryCheckpoint, checkpointed_modules, wrap_checkpointed_layers
 from hf_sp_trainer.memory.offload import HostOffload
 from tests.harness import (
-    REPORT_KEYS,
     Case,
+    assert_within,
     compare,
     run_distributed,
     run_sp_cases,
     synthetic_dataset,
     tiny_model,
-    train_case,
     unwrap_results,
 )
-from tests.sft_harness import SFTCase, run_sft_cases, train_sft_case
+from tests.sft_harness import SFTCase, reference_run, run_sft_cases
 
 TOL = 1e-5
-MEMORY_FIELDS = {f.name for f in dataclasses.fields(MemoryArguments)}
 GC = {"gradient_checkpointing": True}
 SAC = {"checkpoint_policy": "sequence_aware"}
 OFFLOAD = {"activation_offloading": True}
@@ -231,20 +227,10 @@ def test_sequence_aware_recomputes_no_attention_and_no_all_to_all_sp2(sp_results
         assert _max_rel(selective["grads"], full["grads"]) == 0.0
 
 
-def _reference(case, out_dir: str) -> dict:
-    """Plain single-process ``Trainer`` / ``SFTTrainer`` (the memory fields are the SP run's only)."""
-    if isinstance(case, SFTCase):
-        config = {k: v for k, v in case.config.items() if k not in MEMORY_FIELDS}
-        return train_sft_case(dataclasses.replace(case, config=config), sp=False, out_dir=out_dir)
-    return train_case(case, sp=False, out_dir=out_dir)
-
-
 @pytest.mark.parametrize("case", CASES + SFT_CASES, ids=lambda c: c.name)
 def test_checkpoint_features_train_like_plain_single_process(case, sp_results, tmp_path):
     got = sp_results[0]["sft" if isinstance(case, SFTCase) else "train"][case.name]
-    diffs = compare(_reference(case, str(tmp_path)), got)
+    diffs = compare(reference_run(case, str(tmp_path)), got)
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
     assert got["global_step"] == case.steps
-    for key in REPORT_KEYS:
-        if key in diffs:
-            assert diffs[key] <= TOL, f"{case.name}: {key} differs by {diffs[key]:.3e} (relative)"
+    assert_within(case.name, diffs, TOL)

@@ -14,8 +14,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.harness import (
     VOCAB,
     Case,
+    assert_within,
     backend_args,
     compare,
+    quiet_args,
     record_inputs,
     run_distributed,
     synthetic_dataset,
@@ -78,21 +80,14 @@ def train_fused_case(case: FusedCase, fused: bool, out_dir: str) -> dict:
     train = synthetic_dataset(case.batch_size * case.grad_accum * case.steps, seed=1, masked_prompt=case.masked_prompt)
     evals = synthetic_dataset(4, seed=2, masked_prompt=case.masked_prompt)
     args = TrainingArguments(
-        output_dir=out_dir,
+        **quiet_args(out_dir, case.steps),
         sp_size=case.sp_size,
         fused_loss=fused,
-        max_steps=case.steps,
         per_device_train_batch_size=case.batch_size,
         per_device_eval_batch_size=2,
         gradient_accumulation_steps=case.grad_accum,
         learning_rate=1e-3,
         weight_decay=0.01,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        seed=0,
-        use_cpu=True,
         remove_unused_columns=False,
         **({"ddp_backend": "gloo"} if case.sp_size > 1 else {}),
     )
@@ -161,8 +156,7 @@ def _check(case: FusedCase, ref: dict, got: dict) -> None:
     diffs = compare(ref, got)
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
     assert len(got["losses"]) == case.steps
-    for key in ("loss", "grad_norm", "eval_loss", "params", "predict", "test_loss"):
-        assert diffs[key] <= TOL, f"{case.name}: {key} differs by {diffs[key]:.3e} (relative)"
+    assert_within(case.name, diffs, TOL)
     for phase, fused_rows, full_rows in zip(("train", "eval"), got["head_rows"], ref["head_rows"], strict=True):
         assert fused_rows < full_rows, f"{case.name}: fused {phase} should call the LM head on chunks"
     if case.masked_prompt and case.sp_size > 1:
@@ -180,8 +174,7 @@ def test_fused_with_sharded_lm_head(case, sp2_results, tmp_path):
     got = sp2_results[case.name]
     diffs = compare(train_case(case, sp=False, out_dir=str(tmp_path)), got)
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
-    for key in ("loss", "grad_norm", "eval_loss", "params", "predict", "test_loss"):
-        assert diffs[key] <= TOL, f"{case.name}: {key} differs by {diffs[key]:.3e} (relative)"
+    assert_within(case.name, diffs, TOL)
     # unfused: one LM-head call per step; fused: 2 chunks, each run again in backward
     assert got["train_head_calls"] >= 4 * case.steps, got["train_head_calls"]
 

@@ -5,29 +5,25 @@ with gradient checkpointing and the other memory features, and with LoRA on an M
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections import Counter
 
 import pytest
 import torch
 
-from hf_sp_trainer.memory import MemoryArguments
 from hf_sp_trainer.memory.tiled_mlp import TiledMLP, apply_tiled_mlp, remove_tiled_mlp
 from tests.harness import (
     FAMILIES,
-    REPORT_KEYS,
     Case,
+    assert_within,
     compare,
     run_distributed,
     run_sp_cases,
     tiny_model,
-    train_case,
     unwrap_results,
 )
-from tests.sft_harness import SFTCase, run_sft_cases, train_sft_case
+from tests.sft_harness import SFTCase, reference_run, run_sft_cases
 
 TOL = 1e-5
-MEMORY_FIELDS = {f.name for f in dataclasses.fields(MemoryArguments)}
 TILED = {"tiled_mlp": True, "tiled_mlp_num_shards": 3}
 ALL_FEATURES = TILED | {"checkpoint_policy": "sequence_aware", "activation_offloading": True, "fused_loss": True}
 CASES = [
@@ -168,21 +164,11 @@ def sp_results():
     return unwrap_results(run_distributed(2, _run_all, CASES, SFT_CASES))[0]
 
 
-def _reference(case, out_dir: str) -> dict:
-    """Plain single-process ``Trainer`` / ``SFTTrainer`` (the memory fields are the SP run's only)."""
-    if isinstance(case, SFTCase):
-        config = {k: v for k, v in case.config.items() if k not in MEMORY_FIELDS}
-        return train_sft_case(dataclasses.replace(case, config=config), sp=False, out_dir=out_dir)
-    return train_case(case, sp=False, out_dir=out_dir)
-
-
 @pytest.mark.parametrize("case", CASES + SFT_CASES, ids=lambda c: c.name)
 def test_tiled_mlp_trains_like_plain_single_process(case, sp_results, tmp_path):
     got = sp_results[case.name]
     assert got["tiled_calls"] > 0
-    diffs = compare(_reference(case, str(tmp_path)), got)
+    diffs = compare(reference_run(case, str(tmp_path)), got)
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
     assert got["global_step"] == case.steps
-    for key in REPORT_KEYS:
-        if key in diffs:
-            assert diffs[key] <= TOL, f"{case.name}: {key} differs by {diffs[key]:.3e} (relative)"
+    assert_within(case.name, diffs, TOL)
