@@ -57,10 +57,14 @@ def saved_ops() -> frozenset:
     return frozenset(ops)
 
 
+@functools.cache
+def _is_saved(op) -> bool:
+    return op in saved_ops() or "flash_attn" in str(op)
+
+
 def sequence_aware_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op in saved_ops() or "flash_attn" in str(op):
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+    # called for every op of every recomputed layer: the decision is cached per op
+    return CheckpointPolicy.MUST_SAVE if _is_saved(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def sequence_aware_context_fn():
