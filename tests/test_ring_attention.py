@@ -1,0 +1,312 @@
+"""Ring attention: zigzag layout, block kernels with LSE, the block planner, and the ring over spawned gloo processes
+against dense single-device attention (forward output and dq/dk/dv)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from hf_sp_trainer.attention.block_attention import block_backward, block_forward, check_kernel
+from hf_sp_trainer.attention.ring import merge_block, ring_attention
+from hf_sp_trainer.attention.zigzag import (
+    contiguous_ranges,
+    measure_work,
+    plan_ring,
+    visible_pairs,
+    zigzag_inverse_permutation,
+    zigzag_permutation,
+    zigzag_ranges,
+)
+from tests.harness import run_distributed, unwrap_results
+
+S = 48  # 2R chunks of 6 tokens for R = 4, of 12 for R = 2
+
+
+# -- dense reference --------------------------------------------------------------------------------------------
+def visibility(segments: list[list[tuple[int, int]]], seq: int, window: int | None) -> torch.Tensor:
+    """``[b, seq, seq]`` bool: same document, causal, inside the sliding window."""
+    p, j = torch.arange(seq)[:, None], torch.arange(seq)[None]
+    masks = []
+    for row in segments:
+        doc = torch.cat([torch.full((e - s,), i) for i, (s, e) in enumerate(row)])
+        masks.append((doc[:, None] == doc[None]) & (j <= p) & ((p - j < window) if window else True))
+    return torch.stack(masks)
+
+
+def masked_scores(q, k, mask, scale, softcap=None):
+    """``[b, hq, sq, sk]`` scores (GQA by repeat_interleave, as transformers' repeat_kv), -inf where invisible."""
+    scores = q @ k.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    return scores.masked_fill(~mask[:, None], float("-inf"))
+
+
+def dense_attention(q, k, v, mask, scale, softcap=None):
+    """Plain softmax attention of ``[b, h, s, d]`` inputs with an explicit ``[b, sq, sk]`` mask; ``[b, s, h, d]``."""
+    probs = masked_scores(q, k, mask, scale, softcap).softmax(-1)
+    return (probs @ v.repeat_interleave(q.shape[1] // v.shape[1], 1)).transpose(1, 2)
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.detach().double(), ref.detach().double()
+    return float((got - ref).abs().max() / ref.abs().max())
+
+
+def random_segments(rng: random.Random, seq: int, max_docs: int = 7) -> list[tuple[int, int]]:
+    cuts = sorted(rng.sample(range(1, seq), rng.randint(0, min(seq - 1, max_docs - 1))))
+    bounds = [0, *cuts, seq]
+    return list(zip(bounds, bounds[1:], strict=False))
+
+
+# -- layout and planner -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seq,ring", [(8, 1), (8, 2), (48, 4), (24, 3)])
+def test_zigzag_permutation_round_trip(seq, ring):
+    perm, inv = zigzag_permutation(seq, ring), zigzag_inverse_permutation(seq, ring)
+    assert torch.equal(perm[inv], torch.arange(seq)) and torch.equal(inv[perm], torch.arange(seq))
+    n = seq // ring
+    for r in range(ring):
+        expected = torch.cat([torch.arange(s, e) for s, e in zigzag_ranges(seq, ring, r)])
+        assert torch.equal(perm[r * n : (r + 1) * n], expected)
+    x = torch.randn(2, seq, 3)
+    assert torch.equal(x[:, perm][:, inv], x)
+
+
+def test_zigzag_ranges():
+    assert zigzag_ranges(16, 1, 0) == [(0, 16)]
+    assert [zigzag_ranges(16, 4, r) for r in range(4)] == [
+        [(0, 2), (14, 16)], [(2, 4), (12, 14)], [(4, 6), (10, 12)], [(6, 8), (8, 10)]
+    ]  # fmt: skip
+    assert contiguous_ranges(16, 4, 1) == [(4, 8)]
+    with pytest.raises(ValueError, match="multiple of 2"):
+        zigzag_ranges(12, 4, 0)
+
+
+def _plan_coverage(segments, seq, ring, window, layout):
+    """How often the plans of all ranks compute each (query, key) pair; every task must compute visible pairs only."""
+    ranges = {"zigzag": zigzag_ranges, "contiguous": contiguous_ranges}[layout]
+    counts = torch.zeros(len(segments), seq, seq, dtype=torch.long)
+    for rank in range(ring):
+        plan = plan_ring(segments, seq, ring, rank, window, layout)
+        queries = torch.cat([torch.arange(s, e) for s, e in ranges(seq, ring, rank)])
+        for t, step in enumerate(plan.steps):
+            keys = torch.cat([torch.arange(s, e) for s, e in ranges(seq, ring, (rank - t) % ring)])
+            for task in step:
+                qp, kp = queries[task.q[0] : task.q[1]], keys[task.k[0] : task.k[1]]
+                assert (qp[0], kp[0]) == (task.q_start, task.k_start)
+                mask = visibility([[(0, seq)]], seq, window)[0][qp[:, None], kp[None]]
+                if task.kind == "causal":
+                    doc = torch.repeat_interleave(torch.arange(len(task.docs)), torch.tensor(task.docs))
+                    mask &= doc[:, None] == doc[None]
+                else:
+                    assert (qp[:, None] > kp[None]).all() and mask.any(1).all() and mask.any(0).all()
+                    assert mask.all() == (task.kind == "full")
+                assert int(mask.sum()) == visible_pairs(task, window)
+                for r in range(*task.rows):
+                    counts[r, qp[:, None].expand_as(mask)[mask], kp[None].expand_as(mask)[mask]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_plan_computes_each_visible_pair_exactly_once(layout):
+    rng = random.Random(0)
+    for _ in range(25):
+        ring = rng.choice([1, 2, 3, 4])
+        seq = 2 * ring * rng.randint(1, 5)
+        segments = [random_segments(rng, seq) for _ in range(rng.randint(1, 3))]
+        window = rng.choice([None, 1, 2, 3, 7, 100])
+        counts = _plan_coverage(segments, seq, ring, window, layout)
+        assert torch.equal(counts, visibility(segments, seq, window).long()), (segments, ring, window)
+
+
+def test_plan_skips_invisible_pairs_and_zigzag_balances_work():
+    zigzag, contiguous = measure_work([[(0, 64)]], 64, 4), measure_work([[(0, 64)]], 64, 4, layout="contiguous")
+    assert len({w.pairs for w in zigzag}) == 1  # one document: every rank computes the same number of pairs
+    assert sum(w.pairs for w in zigzag) == sum(w.pairs for w in contiguous) == 64 * 65 // 2
+    assert max(w.pairs for w in contiguous) > 6 * min(w.pairs for w in contiguous)
+    assert [w.skipped for w in contiguous] == [3, 2, 1, 0] and all(w.skipped == 7 for w in zigzag)
+    # documents that never cross a chunk boundary: only the diagonal blocks remain
+    plan = plan_ring([[(0, 4), (4, 8), (8, 12), (12, 16)]], 16, 2, 0)
+    assert [len(step) for step in plan.steps] == [2, 0] and plan.skipped == 6
+    # a sliding window shorter than a chunk: only the adjacent chunk's band is left
+    plan = plan_ring([[(0, 16)]], 16, 2, 1, sliding_window=3)
+    assert [(t.kind, t.q, t.k) for t in plan.steps[1]] == [("band", (0, 2), (2, 4))]
+
+
+# -- block kernel -------------------------------------------------------------------------------------------------
+BLOCKS = {  # kind, nq, nk, offset, docs, window
+    "causal_docs": ("causal", 12, 12, 0, (3, 1, 6, 2), None),
+    "causal_window": ("causal", 12, 12, 0, (3, 9), 4),
+    "full": ("full", 5, 7, 9, (), None),
+    "band": ("band", 6, 7, 8, (), 10),
+}
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+@pytest.mark.parametrize("block", list(BLOCKS))
+@pytest.mark.parametrize("hkv,softcap", [(4, None), (1, None), (2, 3.0)])
+def test_block_kernel_matches_softmax(kernel, block, hkv, softcap):
+    kind, nq, nk, offset, docs, window = BLOCKS[block]
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, nq, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, hkv, nk, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    dist = torch.arange(nq)[:, None] - torch.arange(nk)[None] + offset
+    mask = (dist >= 0) & ((dist < window) if window else True)
+    if docs:
+        doc = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
+        mask &= doc[:, None] == doc[None]
+    mask = mask.expand(2, nq, nk)
+    ref = dense_attention(q, k, v, mask, 0.4, softcap).transpose(1, 2)
+    dout = torch.randn_like(ref)
+    ref.backward(dout)
+    geometry = dict(kind=kind, scale=0.4, offset=offset, docs=docs, window=window, softcap=softcap, kernel=kernel)
+    with torch.no_grad():
+        out, lse = block_forward(q, k, v, **geometry)
+        grads = block_backward(dout, q, k, v, out, lse, **geometry)
+        ref_lse = masked_scores(q, k, mask, 0.4, softcap).logsumexp(-1)
+    assert rel_err(out, ref) < 1e-12 and rel_err(lse, ref_lse) < 1e-12
+    for got, want in zip(grads, (q.grad, k.grad, v.grad), strict=True):
+        assert rel_err(got, want) < 1e-12
+
+
+def test_merge_of_key_blocks_equals_full_softmax():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 4)
+    full, full_lse = block_forward(q, k, v, kind="full", scale=0.5)
+    out, lse = torch.zeros_like(q), torch.full(q.shape[:3], -torch.inf)
+    merge_block(out[:, :, 2:], lse[:, :, 2:], torch.zeros(1, 2, 3, 4), torch.full((1, 2, 3), -torch.inf))
+    assert not out.isnan().any() and (lse == -torch.inf).all()  # rows without a visible key yet stay NaN-free
+    for part in (slice(0, 4), slice(4, 9)):
+        merge_block(out, lse, *block_forward(q, k[:, :, part], v[:, :, part], kind="full", scale=0.5))
+    assert rel_err(out, full) < 1e-6 and rel_err(lse, full_lse) < 1e-6
+
+
+def test_kernels_without_lse_are_refused():
+    for name in ("flex_attention", "my_registered_kernel", "flash_attention_2", "varlen"):
+        with pytest.raises(ValueError, match="log-sum-exp|CUDA"):
+            check_kernel(name, "cpu")
+    qkv = [torch.randn(1, 2, 8, 4) for _ in range(3)]
+    with pytest.raises(ValueError, match="log-sum-exp"):
+        ring_attention(*qkv, [[(0, 8)]], None, scale=1.0, kernel="flex_attention")
+    with pytest.raises(ValueError, match="dropout"):
+        ring_attention(*qkv, [[(0, 8)]], None, scale=1.0, dropout=0.1)
+
+
+# -- the ring over spawned gloo processes -------------------------------------------------------------------------
+def _lengths(*lengths: int) -> list[tuple[int, int]]:
+    bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    assert bounds[-1] == S
+    return list(zip(bounds, bounds[1:], strict=False))
+
+
+STRADDLE = _lengths(5, *[6] * 7, 1)  # a document across every chunk boundary (chunks of 6 and 12)
+MIXED = _lengths(1, 1, 20, 3, 1, 22)
+ONE_TOKEN = _lengths(*[1] * 5, 10, *[1] * 3, 30)
+
+
+@dataclass(frozen=True)
+class RingCase:
+    segments: list  # per row
+    hkv: int = 4
+    window: int | None = None
+    softcap: float | None = None
+    kernel: str = "sdpa"
+    dtype: torch.dtype = torch.float32
+    tol: float = 1e-5
+
+
+CASES = {
+    "one_doc": RingCase([[(0, S)]]),
+    "one_doc_fp64": RingCase([[(0, S)]], dtype=torch.float64, tol=1e-12),
+    "straddle": RingCase([STRADDLE]),
+    "straddle_fp64": RingCase([STRADDLE], dtype=torch.float64, tol=1e-12),
+    "mixed": RingCase([MIXED]),
+    "one_token_docs": RingCase([ONE_TOKEN]),
+    "window_lt_chunk": RingCase([_lengths(30, 18)], window=3),
+    "window_gt_chunk": RingCase([MIXED], window=20),
+    "window_fp64": RingCase([STRADDLE], window=7, dtype=torch.float64, tol=1e-12),
+    "gqa_hkv1": RingCase([MIXED], hkv=1),
+    "gqa_hkv2_window": RingCase([STRADDLE], hkv=2, window=9),
+    "softcap": RingCase([MIXED], softcap=5.0),
+    "softcap_gqa_window": RingCase([STRADDLE], hkv=2, window=5, softcap=5.0),
+    "batch2": RingCase([MIXED, ONE_TOKEN]),
+    "eager_window": RingCase([MIXED, STRADDLE], hkv=2, window=7, kernel="eager"),
+    "bf16": RingCase([MIXED], hkv=2, dtype=torch.bfloat16, tol=3e-2),
+}
+RINGS = (1, 2, 4)
+
+
+def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    from hf_sp_trainer.attention import all_gather_along
+
+    return x if group is None else all_gather_along(x, dim, group)
+
+
+def _check_case(case: RingCase, group, seed: int) -> dict[str, float]:
+    """Ring forward/backward of this rank's zigzag portion vs dense float64 attention of the whole sequence."""
+    import torch.distributed as dist
+
+    ring = 1 if group is None else dist.get_world_size(group)
+    rank = 0 if group is None else dist.get_rank(group)
+    torch.manual_seed(seed)  # every rank draws the same full tensors
+    b, hq, d = len(case.segments), 4, 8
+    q = torch.randn(b, hq, S, d) * (3.0 if case.softcap else 1.0)
+    k, v = torch.randn(b, case.hkv, S, d), torch.randn(b, case.hkv, S, d)
+    dout = torch.randn(b, S, hq, d)
+    perm, inv = zigzag_permutation(S, ring), zigzag_inverse_permutation(S, ring)
+    mine = perm[rank * (S // ring) : (rank + 1) * (S // ring)]
+    local = [t[:, :, mine].to(case.dtype).requires_grad_() for t in (q, k, v)]
+    kw = dict(scale=d**-0.5, sliding_window=case.window, softcap=case.softcap, kernel=case.kernel)
+    out = ring_attention(*local, case.segments, group, **kw)
+    assert out.dtype == case.dtype and out.shape == (b, S // ring, hq, d)
+    out.backward(dout[:, mine].to(case.dtype))
+    got = [_gather(out.detach(), 1, group)[:, inv]] + [_gather(t.grad, 2, group)[:, :, inv] for t in local]
+    full = [t.to(case.dtype).double().requires_grad_() for t in (q, k, v)]  # the values the ring was given
+    ref = dense_attention(*full, visibility(case.segments, S, case.window), d**-0.5, case.softcap)
+    ref_grads = torch.autograd.grad(ref, full, dout.to(case.dtype).double())
+    return {name: rel_err(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), got, (ref, *ref_grads), strict=True)}
+
+
+def _ring_worker() -> dict:
+    """One spawned rank of a world of 4: every case on a ring of 4 (the world), of 2 (strided subgroups {0, 2} and
+    {1, 3}: ring peers are not neighbouring global ranks) and of 1."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    halves = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    groups = {4: dist.group.WORLD, 2: halves[rank % 2], 1: None}
+    refused = []
+    qkv = [torch.randn(1, 4, S // 4, 8) for _ in range(3)]
+    for kernel in ("flex_attention", "my_registered_kernel"):  # first: a stray message would break the cases below
+        try:
+            ring_attention(*qkv, [[(0, S)]], dist.group.WORLD, scale=1.0, kernel=kernel)
+        except ValueError as exc:
+            refused.append(str(exc))
+    errors = {}
+    for seed, (name, case) in enumerate(CASES.items()):
+        for ring in RINGS:
+            errors[name, ring] = _check_case(case, groups[ring], seed)
+    return {"refused": refused, "errors": errors}
+
+
+@pytest.fixture(scope="module")
+def ring_results() -> list[dict]:
+    return unwrap_results(run_distributed(4, _ring_worker, timeout=300))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ring", RINGS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_ring_attention_matches_dense(ring_results, name, ring):
+    for rank, result in enumerate(ring_results):
+        errors = result["errors"][name, ring]
+        assert max(errors.values()) <= CASES[name].tol, f"rank {rank}: {errors}"
+
+
+@pytest.mark.slow
+def test_kernel_without_lse_refused_on_every_rank_before_communicating(ring_results):
+    for result in ring_results:
+        assert len(result["refused"]) == 2 and all("log-sum-exp" in msg for msg in result["refused"])
