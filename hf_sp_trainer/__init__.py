@@ -1,21 +1,59 @@
-"""hf_sp_trainer: exact Ulysses sequence parallelism for the Hugging Face Trainer."""
+"""hf_sp_trainer: exact sequence parallelism (Ulysses x Ring) for the Hugging Face Trainer and TRL.
 
-from .arguments import SequenceParallelArguments, TrainingArguments
-from .attention import ULYSSES_KEY, UlyssesAttention
-from .collators import SPDataCollator
-from .sft import SFTConfig, SPSFTTrainer
-from .trainer import SequenceParallelMixin, SPTrainer
+Imports are lazy: ``import hf_sp_trainer`` loads nothing heavy; TRL, PEFT and datasets are imported when a TRL
+trainer or config is first used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
+_EXPORTS = {
+    "SequenceParallelArguments": "arguments",
+    "TrainingArguments": "arguments",
+    "ULYSSES_KEY": "attention.ulysses",
+    "UlyssesAttention": "attention.ulysses",
+    "SPDataCollator": "collators",
+    "SequenceParallel": "parallel",
+    "apply_sequence_parallel": "parallel",
+    "SFTConfig": "sft",
+    "SPSFTTrainer": "sft",
+    "SPTrainer": "trainer",
+    "SequenceParallelMixin": "trainer",
+}
 __all__ = [
-    "ULYSSES_KEY",
     "SFTConfig",
     "SPDataCollator",
     "SPSFTTrainer",
     "SPTrainer",
+    "SequenceParallel",
     "SequenceParallelArguments",
     "SequenceParallelMixin",
     "TrainingArguments",
+    "ULYSSES_KEY",
     "UlyssesAttention",
+    "apply_sequence_parallel",
 ]
+
+if TYPE_CHECKING:
+    from .arguments import SequenceParallelArguments, TrainingArguments
+    from .attention.ulysses import ULYSSES_KEY, UlyssesAttention
+    from .collators import SPDataCollator
+    from .parallel import SequenceParallel, apply_sequence_parallel
+    from .sft import SFTConfig, SPSFTTrainer
+    from .trainer import SequenceParallelMixin, SPTrainer
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hf_sp_trainer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -7,42 +7,48 @@ from functools import cached_property
 
 import transformers
 
-from .backends.accelerate_sp import route_accelerate_sp
-from .backends.cpu import bring_up_cpu_state, wants_cpu_backend
+from .distributed import cpu_backend
+from .distributed.accelerate_sp import route_accelerate_sp
 from .memory import MemoryArguments
-from .topology import check_world
+from .topology import check_ring_size, check_world
 
 
 @dataclass
 class SequenceParallelArguments:
-    """The SP fields, shared by ``TrainingArguments`` and ``SFTConfig``."""
+    """The SP fields, shared by ``TrainingArguments`` and the TRL configs."""
 
     sp_size: int = field(
         default=1,
         metadata={
-            "help": "Ulysses sequence-parallel size: each sequence is split over this many ranks (world = dp x sp). "
-            "1 disables sequence parallelism."
+            "help": "Sequence-parallel size: each sequence is split over this many ranks (world = dp x sp), as "
+            "ulysses x ring. 1 disables sequence parallelism."
+        },
+    )
+    sp_ring_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Ring size of the ulysses x ring split of sp_size. Default: the largest Ulysses degree dividing "
+            "both sp_size and the model's query heads, the rest a ring. Ulysses groups are contiguous ranks."
         },
     )
     sp_attn_implementation: str | None = field(
         default=None,
         metadata={
-            "help": "Attention kernel run on the full sequence inside Ulysses SP: sdpa, eager, flex_attention, "
-            "flash_attention_2/3 or any key registered in transformers.AttentionInterface. Default: the model's "
-            "own attention implementation."
+            "help": "Attention kernel run inside SP: sdpa, eager, flex_attention, flash_attention_2/3 or any key "
+            "registered in transformers.AttentionInterface (with a ring: sdpa, eager or flash_attention_2/3). "
+            "Default: the model's own attention implementation."
         },
     )
 
     @cached_property
     def _setup_devices(self):
-        backend = wants_cpu_backend(self)
-        if backend is not None:  # FSDP2 / DeepSpeed over gloo on a CPU-only machine
-            bring_up_cpu_state(self, backend)
+        cpu_backend.bring_up(self)  # FSDP2 / DeepSpeed over gloo on a CPU-only machine; else nothing
         return super()._setup_devices
 
     def _check_sequence_parallel(self) -> None:
         route_accelerate_sp(self)  # ParallelismConfig(sp_size=...) / PARALLELISM_CONFIG_SP_SIZE
         check_world(self.sp_size, self.world_size if self.sp_size > 1 else 1)
+        check_ring_size(self.sp_size, self.sp_ring_size)
 
 
 @dataclass

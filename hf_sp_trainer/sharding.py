@@ -1,12 +1,22 @@
-"""Split a batch along the sequence for one rank of an SP group.
+"""The one owner of the batch layout under sequence parallelism: shift labels -> pad -> zigzag -> slice, and back.
 
-Order matters: ``shift_labels`` are computed on the full sequence *before* sharding (so the last token of a shard
-still predicts the first token of the next one), then the sequence is padded to a multiple of ``sp_size`` with
-tokens no real token attends to and whose labels are ``-100``, then every rank keeps its contiguous slice.
+Every rank of an SP group holds the same (packed) batch. ``SequenceSharding.shard_batch`` turns it into this rank's
+shard, in this order:
+
+1. checks: no padding zeros in an ``attention_mask`` (SP needs ``position_ids`` packing), ``position_ids`` added;
+2. ``shift_labels`` on the full sequence, so the last token of a shard still predicts the first token of the next;
+3. padding to a multiple of ``sp_size`` (``2 x sp_size`` with a ring): a document of its own (``position_ids`` 0, 1,
+   ...), labels ``-100``, never attended by real tokens;
+4. with a ring of ``R`` ranks, the zigzag order: the sequence is cut into ``2R`` chunks and ring rank ``i`` takes
+   chunks ``i`` and ``2R-1-i`` (causal work balanced over the ring);
+5. equal contiguous slices of that order, one per SP rank (``sp_rank = ring_rank x ulysses + ulysses_rank``).
+
+``unshard`` is the inverse for tensors gathered over the SP group (evaluation logits and labels).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,25 +86,68 @@ def pad_to_multiple(batch: dict[str, Any], multiple: int, pad_token_id: int = 0)
     return out
 
 
-def shard_sequence(batch: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
-    """Keep slice ``rank`` of ``world`` equal slices of every sequence tensor (length must divide by ``world``)."""
-    length = sequence_length(batch)
-    if length % world:
-        raise ValueError(f"Sequence length {length} is not a multiple of sp_size={world}; pad it first.")
-    size = length // world
-    return {
-        key: value[:, rank * size : (rank + 1) * size] if _is_sequence_tensor(value, length) else value
-        for key, value in batch.items()
-    }
+@dataclass(frozen=True)
+class SequenceSharding:
+    """Which positions of a sequence each rank of an SP group of ``sp_size = ulysses x ring_size`` ranks holds."""
+
+    sp_size: int
+    ring_size: int = 1
+
+    @property
+    def multiple(self) -> int:
+        """Sequence lengths are padded to a multiple of this: equal shards (and ``2 x ring`` zigzag chunks)."""
+        return self.sp_size * (2 if self.ring_size > 1 else 1)
+
+    def order(self, length: int) -> torch.Tensor | None:
+        """Global position of each position of the SP-rank-major concatenated shards; None: the identity."""
+        if self.ring_size == 1:
+            return None
+        from .attention.zigzag import zigzag_permutation
+
+        return zigzag_permutation(length, self.ring_size)
+
+    def positions(self, length: int, sp_rank: int) -> torch.Tensor:
+        """The global positions held by ``sp_rank`` for a (padded) sequence of ``length`` tokens, in order."""
+        size = length // self.sp_size
+        order = self.order(length)
+        local = torch.arange(sp_rank * size, (sp_rank + 1) * size)
+        return local if order is None else order[local]
+
+    def shard(self, batch: dict[str, Any], sp_rank: int) -> dict[str, Any]:
+        """This rank's slice of every sequence tensor (the length must be a multiple of ``self.multiple``)."""
+        length = sequence_length(batch)
+        if length % self.multiple:
+            raise ValueError(f"Sequence length {length} is not a multiple of {self.multiple}; pad it first.")
+        index = self.positions(length, sp_rank)
+        start, size = int(index[0]), len(index)
+        contiguous = bool((index == torch.arange(start, start + size)).all())
+        return {
+            key: _take(value, index, start, size, contiguous) if _is_sequence_tensor(value, length) else value
+            for key, value in batch.items()
+        }
+
+    def shard_batch(self, batch: dict[str, Any], sp_rank: int, pad_token_id: int = 0) -> dict[str, Any]:
+        """The full batch every rank of the SP group holds -> this rank's shard (checks, shift, pad, zigzag, slice)."""
+        batch = check_no_padding_mask(batch)
+        batch = add_position_ids(batch)
+        batch = add_shift_labels(batch)
+        batch = pad_to_multiple(batch, self.multiple, pad_token_id)
+        return self.shard(batch, sp_rank)
+
+    def unshard(self, gathered: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Shards concatenated in SP-rank order along ``dim`` -> the original (padded) sequence order."""
+        order = self.order(gathered.shape[dim])
+        if order is None:
+            return gathered
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(len(order))
+        return gathered.index_select(dim, inverse.to(gathered.device))
 
 
-def prepare_sp_batch(batch: dict[str, Any], sp_rank: int, sp_size: int, pad_token_id: int = 0) -> dict[str, Any]:
-    """The full batch every rank of an SP group holds -> this rank's shard (checks, shift labels, pad, slice)."""
-    batch = check_no_padding_mask(batch)
-    batch = add_position_ids(batch)
-    batch = add_shift_labels(batch)
-    batch = pad_to_multiple(batch, sp_size, pad_token_id)
-    return shard_sequence(batch, sp_rank, sp_size)
+def _take(value: torch.Tensor, index: torch.Tensor, start: int, size: int, contiguous: bool) -> torch.Tensor:
+    if contiguous:
+        return value[:, start : start + size]
+    return value.index_select(1, index.to(value.device))
 
 
 def _is_sequence_tensor(value: Any, length: int) -> bool:

@@ -1,15 +1,17 @@
-"""``SPTrainer``: ``transformers.Trainer`` with Ulysses sequence parallelism.
+"""``SPTrainer``: ``transformers.Trainer`` with sequence parallelism.
 
-The SP behaviour lives in ``SequenceParallelMixin`` (shared with ``SPSFTTrainer``) and touches few hooks:
+The SP behaviour lives in ``SequenceParallelMixin`` (shared with the TRL trainers) and touches few hooks:
+- construction: one path for every trainer class; ``apply_sequence_parallel`` on the model, then the memory stack;
 - data: every rank of an SP group loads the same batch (the sampler shards over DP ranks only);
-- inputs: each batch is checked, given ``shift_labels``, padded to a multiple of ``sp_size`` and sliced per rank;
-- loss: token-weighted over the whole optimizer step (``num_items_in_batch`` counted once per SP group), so the loss
-  and the gradients equal the single-process ones; eval losses are averaged over the group's tokens;
-- metrics: predictions are gathered back along the sequence and over DP ranks only.
+- inputs: ``SequenceParallel.shard_batch`` turns each batch into this rank's shard (the one owner of the layout);
+- loss: ``hf_sp_trainer.loss`` (token-weighted over the whole optimizer step, so loss and gradients equal the
+  single-process ones);
+- metrics: predictions are gathered back along the sequence, in the original order, and over DP ranks only.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -18,20 +20,21 @@ import transformers
 from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
 from torch import nn
 
-from .attention import UlyssesAttention, all_gather_along, validate_model_for_sp
-from .backends.cpu import drop_cpu_fsdp_mesh, enable_cpu_fsdp, wants_cpu_backend
 from .collators import SPDataCollator
-from .memory import enable_memory_features, fused_loss_inputs
-from .sharding import IGNORE_INDEX, prepare_sp_batch
-from .topology import SPTopology, sp_topology
+from .distributed import cpu_backend
+from .loss import check_loss_options, sp_eval_loss
+from .memory import enable_memory_features, hidden_from_base_trainer, loss_only_inputs
+from .parallel import SequenceParallel, apply_sequence_parallel
+from .topology import release_groups
 
 
-def _unwrap(model: nn.Module) -> transformers.PreTrainedModel:
+def unwrap_model(model: nn.Module) -> transformers.PreTrainedModel:
+    """The transformers model under a PEFT wrapper (or the model itself)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _pad_token_id(model: nn.Module, processing_class: Any) -> int:
-    for source in (processing_class, getattr(processing_class, "tokenizer", None), _unwrap(model).config):
+def pad_token_id(model: nn.Module, processing_class: Any) -> int:
+    for source in (processing_class, getattr(processing_class, "tokenizer", None), unwrap_model(model).config):
         pad = getattr(source, "pad_token_id", None)
         if isinstance(pad, int):
             return pad
@@ -39,53 +42,51 @@ def _pad_token_id(model: nn.Module, processing_class: Any) -> int:
 
 
 class SequenceParallelMixin:
-    """Ulysses SP for a ``transformers.Trainer`` subclass; a no-op when ``args.sp_size == 1``."""
+    """Sequence parallelism for a ``transformers.Trainer`` subclass; a no-op when ``args.sp_size == 1``.
 
-    sp: SPTopology | None = None
+    Subclasses override ``sp_default_collator`` (the collator used when none is given) and ``sp_after_init`` (what the
+    base trainer's own construction needs adjusting for SP); everything else is shared.
+    """
 
-    # -- construction ---------------------------------------------------------------------------------------------
-    def _sp_check_and_default_collator(self, model, args, data_collator, processing_class):
-        """Checks that need no communication (so they fail on every rank alike), and the default collator."""
-        sp_size = getattr(args, "sp_size", 1)
-        if sp_size == 1:
-            return data_collator
-        if model is None:
-            raise ValueError("SPTrainer with sp_size > 1 needs a model instance (model_init is not supported).")
-        validate_model_for_sp(_unwrap(model), sp_size)
-        if data_collator is None:
-            pad_token_id = _pad_token_id(model, processing_class)
-            data_collator = SPDataCollator(pad_to_multiple_of=sp_size, pad_token_id=pad_token_id)
-        return data_collator
+    sp: SequenceParallel | None = None
 
-    def _sp_enable(self) -> None:
-        """After ``Trainer.__init__``: SP groups and Ulysses attention (sp_size > 1), then the memory features."""
-        if getattr(self.args, "sp_size", 1) > 1:
-            self._sp_attach()
-        enable_memory_features(self)
-
-    def _sp_attach(self) -> None:
-        sp_size = self.args.sp_size
-        model = _unwrap(self.model)
-        validate_model_for_sp(model, sp_size)
-        if self.args.label_smoothing_factor or self.compute_loss_func is not None or not self.model_accepts_loss_kwargs:
-            raise ValueError(
-                f"sp_size={sp_size} computes the exact loss from pre-shifted `shift_labels` and the step's "
-                "`num_items_in_batch`; label_smoothing_factor, a custom compute_loss_func, or a model whose forward "
-                "takes no loss kwargs are not supported with sequence parallelism yet."
+    def __init__(self, *args, **kwargs):
+        bound = inspect.signature(super().__init__).bind(*args, **kwargs)
+        model, training_args = bound.arguments.get("model"), bound.arguments.get("args")
+        sp_size = getattr(training_args, "sp_size", 1)
+        if sp_size > 1:
+            if model is None:
+                raise ValueError("Sequence parallelism (sp_size > 1) needs a model; model_init is not supported.")
+            if bound.arguments.get("data_collator") is None:
+                bound.arguments["data_collator"] = self.sp_default_collator(bound.arguments.get("processing_class"))
+        with hidden_from_base_trainer(training_args):  # memory-stack flags a TRL trainer would act on itself
+            super().__init__(*bound.args, **bound.kwargs)
+        check_loss_options(self)  # sp_size > 1 and fused_loss compute the model's own loss exactly
+        if sp_size > 1:
+            self.sp_after_init()
+            self.sp = apply_sequence_parallel(
+                unwrap_model(self.model),
+                sp_size,
+                ring_size=self.args.sp_ring_size,
+                attn_implementation=self.args.sp_attn_implementation,
             )
-        self.sp = sp_topology(sp_size)
-        kernel = self.args.sp_attn_implementation or model.config._attn_implementation
-        self.ulysses = UlyssesAttention(self.sp.sp_group, kernel)
-        self.ulysses.attach(model)
-        self._sp_pad_id = _pad_token_id(model, self.processing_class)
+            self._sp_pad_id = pad_token_id(self.model, self.processing_class)
+        enable_memory_features(self.model, self.args, lm_loss_fused=self.sp_fuses_lm_loss)
+
+    # -- hooks for subclasses -------------------------------------------------------------------------------------
+    sp_fuses_lm_loss = False  # True where the base trainer already computes its LM loss without full logits
+
+    def sp_default_collator(self, processing_class: Any):
+        """The collator used with ``sp_size > 1`` when none is given: one packed row per batch (``None``: the base
+        trainer's own)."""
+        return SPDataCollator()
+
+    def sp_after_init(self) -> None:
+        """Adjust what the base trainer built in ``__init__`` for SP (before the model is made sequence-parallel)."""
 
     def create_accelerator_and_postprocess(self):
-        cpu_fsdp = wants_cpu_backend(self.args) == "fsdp"
-        if cpu_fsdp:
-            drop_cpu_fsdp_mesh(self.args)
-        super().create_accelerator_and_postprocess()
-        if cpu_fsdp:
-            enable_cpu_fsdp(self)
+        with cpu_backend.accelerator_setup(self):  # FSDP2 / DeepSpeed over gloo on CPU-only machines
+            super().create_accelerator_and_postprocess()
 
     # -- data -----------------------------------------------------------------------------------------------------
     def _sp_shard_over_dp(self, dataloader):
@@ -102,8 +103,9 @@ class SequenceParallelMixin:
                 "map-style or iterable dataset without `dispatch_batches` (accelerator_config={'dispatch_batches': "
                 "False})."
             )
-        shard.num_processes, shard.process_index = self.sp.dp_size, self.sp.dp_rank
-        if self.sp.dp_size == 1 and isinstance(shard, BatchSamplerShard):
+        topo = self.sp.topology
+        shard.num_processes, shard.process_index = topo.dp_size, topo.dp_rank
+        if topo.dp_size == 1 and isinstance(shard, BatchSamplerShard):
             # One SP group sees every batch, so the last one needs no completing with repeated samples (which a
             # packed row would mix into its loss): exactly the single-process batches.
             shard.even_batches = False
@@ -121,43 +123,32 @@ class SequenceParallelMixin:
     def get_total_train_batch_size(self, args) -> int:
         if self.sp is None:
             return super().get_total_train_batch_size(args)
-        return self._train_batch_size * args.gradient_accumulation_steps * self.sp.dp_size
+        return self._train_batch_size * args.gradient_accumulation_steps * self.sp.topology.dp_size
 
     # -- inputs and loss ------------------------------------------------------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         if self.sp is not None and torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch / self.sp.sp_size  # each SP rank counted its group's batch
+            num_items_in_batch = num_items_in_batch / self.sp.topology.sp_size  # each SP rank counted its group's batch
         return batch_samples, num_items_in_batch
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         inputs = super()._prepare_inputs(inputs)
         if self.sp is None:
             return inputs
-        return prepare_sp_batch(inputs, self.sp.sp_rank, self.sp.sp_size, self._sp_pad_id)
+        return self.sp.shard_batch(inputs, self._sp_pad_id)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        inputs = fused_loss_inputs(self, model, inputs, return_outputs)  # memory stack: fused LM-head loss if enabled
         if self.sp is None or model.training or "shift_labels" not in inputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        # Evaluation: the batch's loss is the mean over its tokens, i.e. over the whole SP group, as on one device
-        # (``num_items_in_batch``, counted over every rank, would mix the batches of different DP ranks).
-        group = self.sp.sp_group
-        count = (inputs["shift_labels"] != IGNORE_INDEX).sum()
-        dist.all_reduce(count, group=group)
-        result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch=count.clamp(min=1))
-        loss, outputs = result if return_outputs else (result, None)
-        if self.args.average_tokens_across_devices:  # undo the DDP compensation: this loss is not backpropagated
-            loss = loss / (self.accelerator.num_processes // self.get_tp_size())
-        loss = loss.detach().clone()
-        dist.all_reduce(loss, group=group)
-        return (loss, outputs) if return_outputs else loss
+        return sp_eval_loss(self, super().compute_loss, model, inputs, return_outputs)
 
     # -- evaluation -----------------------------------------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        self._sp_prediction_loss_only = prediction_loss_only  # memory stack: no logits needed -> fused loss
+        if prediction_loss_only:
+            inputs = loss_only_inputs(model, inputs)  # memory stack: the fused loss needs no logits
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        if self.sp is not None:  # back to full sequences (padded to a multiple of sp_size)
+        if self.sp is not None:  # back to full sequences in the original order (padded to the SP multiple)
             logits, labels = (self._sp_gather_sequence(x) for x in (logits, labels))
         return loss, logits, labels
 
@@ -166,7 +157,7 @@ class SequenceParallelMixin:
             return None
         if isinstance(x, (tuple, list)):
             return type(x)(self._sp_gather_sequence(t) for t in x)
-        return all_gather_along(x, 1, self.sp.sp_group) if x.ndim >= 2 else x
+        return self.sp.gather_sequence(x) if x.ndim >= 2 else x
 
     def evaluation_loop(self, *args, **kwargs):
         if self.sp is not None:  # the Trainer resets gather_function at the end of every loop
@@ -175,29 +166,30 @@ class SequenceParallelMixin:
 
     def _sp_gather_for_metrics(self, tensor: torch.Tensor) -> torch.Tensor:
         """``accelerator.gather_for_metrics`` over DP ranks: one copy per SP group, last-batch duplicates dropped."""
-        per_rank = self.accelerator.gather(tensor).chunk(self.sp.world_size)
-        gathered = torch.cat(per_rank[:: self.sp.sp_size])
+        topo = self.sp.topology
+        per_rank = self.accelerator.gather(tensor).chunk(topo.world_size)
+        gathered = torch.cat(per_rank[:: topo.sp_size])
         state = self.accelerator.gradient_state
         if state.end_of_dataloader and state.remainder > 0:
             gathered = gathered[: state.remainder]
         return gathered
 
+    # -- teardown -------------------------------------------------------------------------------------------------
+    def end(self):
+        """Finish the trackers and destroy the process groups (ours first): every rank, once, at the very end."""
+        if dist.is_initialized():
+            dist.barrier()  # gloo: nobody tears down while a peer still communicates
+        release_groups()
+        super().end()
+
 
 class SPTrainer(SequenceParallelMixin, transformers.Trainer):
-    """``transformers.Trainer`` with Ulysses sequence parallelism over ``args.sp_size`` ranks.
+    """``transformers.Trainer`` with sequence parallelism over ``args.sp_size`` ranks (Ulysses x Ring).
 
-    With ``sp_size == 1`` it is exactly ``Trainer``. With ``sp_size > 1`` the model's attention runs through the
-    Ulysses backend, examples are packed with ``position_ids`` (``SPDataCollator``) unless a collator is given, each
-    SP group consumes one batch per micro-step, and loss, gradients and ``eval_loss`` equal the single-process ones.
+    With ``sp_size == 1`` it is exactly ``Trainer``. With ``sp_size > 1`` the model's attention runs through the SP
+    backend, examples are packed with ``position_ids`` (``SPDataCollator``) unless a collator is given, each SP group
+    consumes one batch per micro-step, and loss, gradients and ``eval_loss`` equal the single-process ones.
     """
 
-    def __init__(self, model=None, args=None, data_collator=None, *extra, **kwargs):
-        processing_class = kwargs.get("processing_class")
-        if processing_class is None and len(extra) > 2:
-            processing_class = extra[2]
-        data_collator = self._sp_check_and_default_collator(model, args, data_collator, processing_class)
-        super().__init__(model, args, data_collator, *extra, **kwargs)
-        self._sp_enable()
 
-
-__all__ = ["SPTrainer", "SequenceParallelMixin"]
+__all__ = ["SPTrainer", "SequenceParallelMixin", "pad_token_id", "unwrap_model"]

@@ -71,17 +71,6 @@ def model_config(name: str, max_len: int):
     return config
 
 
-def missing_features(combo: str) -> list[str]:
-    """The combo's ``MemoryArguments`` features not implemented yet (named nowhere in ``hf_sp_trainer/memory/``)."""
-    from hf_sp_trainer import memory
-
-    folder = os.path.dirname(memory.__file__)
-    source = "".join(open(os.path.join(folder, f)).read() for f in os.listdir(folder) if f.endswith(".py"))
-    source = source.replace(open(os.path.join(folder, "arguments.py")).read(), "")
-    names = [v if k == "checkpoint_policy" else k for k, v in COMBOS[combo].items() if k != "gradient_checkpointing"]
-    return [name for name in names if f'"{name}"' not in source and f".{name}" not in source]
-
-
 def _step_callback(device: str, warmup: int, record: dict):
     from transformers import TrainerCallback
 
@@ -140,7 +129,7 @@ def measure(opts, model_name: str, sp: int, combo: str, length: int, out_dir: st
     rows.append(_row(length, opts.doc_len, config.vocab_size, generator))
     record = {"model": model_name, "sp": sp, "combo": combo, "length": length, "doc_len": opts.doc_len or length}
     trainer = Trainer(
-        model=model, args=args, train_dataset=rows, data_collator=SPDataCollator(pad_to_multiple_of=sp),
+        model=model, args=args, train_dataset=rows, data_collator=SPDataCollator(),
         callbacks=[_step_callback(opts.device, 1, record)],
     )  # fmt: skip
     trainer.remove_callback(PrinterCallback)
@@ -204,10 +193,7 @@ def grid(opts) -> list[dict]:
     rows = []
     for model_name in opts.model:
         for sp in opts.sp:
-            combos = [c for c in opts.combos if not missing_features(c)]
-            skipped = sorted(set(opts.combos) - set(combos))
-            if skipped:
-                print(f"skipped (features not implemented yet): {', '.join(skipped)}")
+            combos = opts.combos
             lengths = [int(x.split(":")[-1]) for x in opts.lengths if ":" not in x or x.startswith(model_name + ":")]
             last: dict[str, dict] = {}
             for length in lengths:  # one process group per length; a combo predicted too slow is left out
@@ -324,9 +310,6 @@ def main() -> None:
     for spec in opts.search:  # [MODEL:]COMBO@SP
         combo, sp = spec.split(":")[-1].split("@")
         for model_name in [spec.split(":")[0]] if ":" in spec else opts.model:
-            if missing_features(combo):
-                print(f"search {spec}: skipped, not implemented yet: {', '.join(missing_features(combo))}")
-                continue
             searches.append(search(opts, model_name, combo, int(sp), rows))
             print(json.dumps({k: v for k, v in searches[-1].items() if k != "measured"}), flush=True)
     save_results(opts, rows, searches)

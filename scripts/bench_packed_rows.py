@@ -52,17 +52,14 @@ def _worker(rank, world, port, args, out_path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo")
-    from hf_sp_trainer.attention import UlyssesAttention
-    from hf_sp_trainer.sharding import prepare_sp_batch
-    from hf_sp_trainer.topology import sp_topology
+    from hf_sp_trainer import apply_sequence_parallel
 
-    topo = sp_topology(world)
     model = _model(args.attn)
-    UlyssesAttention(topo.sp_group, args.attn).attach(model)
+    sp = apply_sequence_parallel(model, world, attn_implementation=args.attn)
     rows = []
     for length in args.lengths:
         for doc_size in [d for d in args.doc_sizes if d < length]:
-            shard = prepare_sp_batch(_row(length, doc_size), topo.sp_rank, world)
+            shard = sp.shard_batch(_row(length, doc_size))
             times = []
             for repeat in range(args.repeats + 1):  # first run warms up
                 model.zero_grad(set_to_none=True)

@@ -3,11 +3,13 @@ reference-vs-SP comparison of per-step loss, grad_norm, eval_loss and final para
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import random
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -164,6 +166,7 @@ class Case:
     n_eval: int = 6
     eval_batch_size: int = 2
     masked_prompt: bool = False
+    min_len: int = 6
     max_len: int = 40
     model_overrides: dict = field(default_factory=dict)
     train_overrides: dict = field(default_factory=dict)  # extra TrainingArguments for both runs
@@ -178,6 +181,9 @@ class Case:
 
     def with_(self, **kw) -> Case:
         return replace(self, **kw)
+
+    def train(self, sp: bool, out_dir: str) -> dict:
+        return train_case(self, sp, out_dir)
 
 
 def backend_args(backend: str) -> dict:
@@ -269,8 +275,9 @@ def build_trainer(case: Case, sp: bool, out_dir: str, **extra_args):
     model = tiny_model(case.family, attn=case.attn, **case.model_overrides)
     global_batch = case.batch_size * case.dp_size
     n_train = case.n_train or global_batch * case.grad_accum * case.steps
-    train = synthetic_dataset(n_train, seed=1, max_len=case.max_len, masked_prompt=case.masked_prompt)
-    evals = synthetic_dataset(case.n_eval, seed=2, max_len=case.max_len, masked_prompt=case.masked_prompt)
+    lengths = dict(min_len=case.min_len, max_len=case.max_len, masked_prompt=case.masked_prompt)
+    train = synthetic_dataset(n_train, seed=1, **lengths)
+    evals = synthetic_dataset(case.n_eval, seed=2, **lengths)
     common = quiet_args(out_dir, case.steps) | dict(
         num_train_epochs=1,
         gradient_accumulation_steps=case.grad_accum,
@@ -326,13 +333,17 @@ def train_case(case: Case, sp: bool, out_dir: str) -> dict:
     }
 
 
-def run_sp_cases(cases: list[Case]) -> dict[str, dict]:
-    """Run in each spawned rank: every case in turn; rank 0's results are returned (others return ``{}``)."""
+def run_cases(cases: list, probe: Callable | None = None) -> dict[str, dict]:
+    """The one case runner, run in each spawned rank: every case's SP run in turn (``case.train(sp=True, ...)``), with
+    its wall time; ``probe(case)``, a context manager yielding a dict, can add counts measured during the run."""
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases:
-            result = train_case(case, sp=True, out_dir=os.path.join(tmp, case.name))
-            out[case.name] = result
+            with probe(case) if probe is not None else contextlib.nullcontext({}) as extra:
+                start = time.perf_counter()
+                result = case.train(sp=True, out_dir=os.path.join(tmp, case.name))
+                seconds = time.perf_counter() - start
+            out[case.name] = {**result, **extra, "seconds": seconds}
     return out
 
 

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
 import string
-import tempfile
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from tests.harness import quiet_args, tiny_model
+from tests.harness import quiet_args, reset_backend_state, tiny_model
 
 
 @dataclass(frozen=True)
@@ -30,6 +28,9 @@ class SFTCase:
     @property
     def dp_size(self) -> int:
         return self.world_size // self.sp_size
+
+    def train(self, sp: bool, out_dir: str) -> dict:
+        return train_sft_case(self, sp, out_dir)
 
 
 def _words(rng, n):
@@ -59,6 +60,7 @@ def train_sft_case(case: SFTCase, sp: bool, out_dir: str) -> dict:
     from hf_sp_trainer import SFTConfig, SPSFTTrainer
     from hf_sp_trainer.data import build_char_tokenizer
 
+    reset_backend_state()
     tokenizer = build_char_tokenizer()
     model = tiny_model("llama")
     global_batch = case.batch_size * case.dp_size
@@ -114,11 +116,6 @@ def train_sft_case(case: SFTCase, sp: bool, out_dir: str) -> dict:
         "init": init if rank0 else None,
         "is_peft": type(trainer.model).__name__,
     }
-
-
-def run_sft_cases(cases: list[SFTCase]) -> dict[str, dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        return {case.name: train_sft_case(case, sp=True, out_dir=os.path.join(tmp, case.name)) for case in cases}
 
 
 def reference_run(case, out_dir: str) -> dict:

@@ -1,4 +1,4 @@
-"""accelerate's ways of asking for SP are routed to ``sp_size`` (the distributed runs are in test_backends.py and
+"""accelerate's ways of asking for SP are routed to ``sp_size`` (the distributed runs are in test_distributed.py and
 test_cli.py); conflicting or unsupported requests raise clear errors in ``TrainingArguments``, before any process
 group exists."""
 
@@ -8,7 +8,7 @@ import pytest
 from accelerate import ParallelismConfig
 
 from hf_sp_trainer import TrainingArguments
-from hf_sp_trainer.backends.accelerate_sp import route_accelerate_sp
+from hf_sp_trainer.distributed.accelerate_sp import route_accelerate_sp
 
 
 @pytest.fixture(autouse=True)

@@ -9,6 +9,17 @@ from hf_sp_trainer.attention.ulysses import kv_replication
 from tests.harness import run_distributed, synthetic_dataset, tiny_model, unwrap_results
 
 TOL = 1e-5
+RINGS = {2: (1, 2), 4: (1, 2, 4)}  # ring sizes checked at each sp: Ulysses only, hybrid, ring only
+FORWARD_CASES = [
+    "llama_sdpa_packed",
+    "llama_eager_packed",
+    "llama_sdpa_two_rows",
+    "llama_kv1_packed",
+    "llama_one_token_docs",
+    "mistral_window_packed",
+    "gemma3_eager_packed",
+    "llama_3_heads_packed",
+]
 
 
 # -- in-process unit tests ---------------------------------------------------------------------------------------
@@ -37,17 +48,11 @@ def test_sdpa_documents_need_no_dense_mask():
 
 
 # -- distributed ---------------------------------------------------------------------------------------------------
-def _sp_logits(model, batch, group):
-    import torch.distributed as dist
-
-    from hf_sp_trainer.attention import all_gather_along
-    from hf_sp_trainer.sharding import prepare_sp_batch
-
-    sp = dist.get_world_size(group)
-    shard = prepare_sp_batch(batch, dist.get_rank(group), sp)
+def _sp_logits(sp, batch):
+    shard = sp.shard_batch(batch)
     with torch.no_grad():
-        logits = model(**{k: v for k, v in shard.items() if k in ("input_ids", "position_ids")}).logits
-    return all_gather_along(logits, 1, group)[:, : batch["input_ids"].shape[1]]
+        logits = sp.model(**{k: v for k, v in shard.items() if k in ("input_ids", "position_ids")}).logits
+    return sp.gather_sequence(logits)[:, : batch["input_ids"].shape[1]]
 
 
 def forward_checks(sp_size):
@@ -55,7 +60,8 @@ def forward_checks(sp_size):
     import torch.distributed as dist
     from transformers import DataCollatorWithFlattening
 
-    from hf_sp_trainer.attention import UlyssesAttention, all_to_all
+    from hf_sp_trainer import apply_sequence_parallel
+    from hf_sp_trainer.attention import all_to_all
     from hf_sp_trainer.topology import sp_topology
 
     dist.init_process_group("gloo")
@@ -75,21 +81,30 @@ def forward_checks(sp_size):
     packed = DataCollatorWithFlattening(return_position_ids=True)(synthetic_dataset(3, seed=5, max_len=30))
     rows = torch.randint(3, 100, (2, 4 * sp_size + 3))
     unpacked = {"input_ids": rows, "position_ids": torch.arange(rows.shape[1]).expand(2, -1)}
+    tiny_docs = DataCollatorWithFlattening(return_position_ids=True)(  # 1-token documents among longer ones
+        [{"input_ids": [5]}, {"input_ids": list(range(3, 20))}, {"input_ids": [7]}, {"input_ids": [8, 9]}]
+    )
+    three_heads = {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}
     cases = {
         "llama_sdpa_packed": ("llama", "sdpa", {}, packed),
         "llama_eager_packed": ("llama", "eager", {}, packed),
         "llama_sdpa_two_rows": ("llama", "sdpa", {}, unpacked),
         "llama_kv1_packed": ("llama", "sdpa", {"num_key_value_heads": 1}, packed),
+        "llama_one_token_docs": ("llama", "sdpa", {}, tiny_docs),
         "mistral_window_packed": ("mistral", "sdpa", {}, packed),
         "gemma3_eager_packed": ("gemma3", "eager", {}, packed),
+        "llama_3_heads_packed": ("llama", "sdpa", three_heads, packed),
     }
     for name, (family, attn, overrides, batch) in cases.items():
         reference = tiny_model(family, attn=attn, **overrides)
         with torch.no_grad():
             ref = reference(**batch).logits
-        model = tiny_model(family, attn=attn, **overrides)
-        UlyssesAttention(group, attn).attach(model)
-        out[name] = float((_sp_logits(model, batch, group) - ref).abs().max() / ref.abs().max())
+        heads = overrides.get("num_attention_heads", 4)
+        for ring in [r for r in RINGS[sp_size] if heads % (sp_size // r) == 0]:
+            model = tiny_model(family, attn=attn, **overrides)
+            sp = apply_sequence_parallel(model, sp_size, ring_size=ring, attn_implementation=attn)
+            out[f"{name}_ring{ring}"] = float((_sp_logits(sp, batch) - ref).abs().max() / ref.abs().max())
+            sp.remove()
     return out
 
 
@@ -98,6 +113,7 @@ def checks():
     return {sp: unwrap_results(run_distributed(sp, forward_checks, sp, timeout=300)) for sp in (2, 4)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sp", [2, 4])
 def test_all_to_all(sp, checks):
     for rank_result in checks[sp]:
@@ -106,21 +122,16 @@ def test_all_to_all(sp, checks):
         assert rank_result["a2a_grad"] == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sp", [2, 4])
-@pytest.mark.parametrize(
-    "case",
-    [
-        "llama_sdpa_packed",
-        "llama_eager_packed",
-        "llama_sdpa_two_rows",
-        "llama_kv1_packed",
-        "mistral_window_packed",
-        "gemma3_eager_packed",
-    ],
-)
+@pytest.mark.parametrize("case", FORWARD_CASES)
 def test_sp_forward_matches_single_process(sp, case, checks):
+    """Ulysses, Ulysses x Ring and ring-only splits of the same sp give the single-process logits."""
     for rank_result in checks[sp]:
-        assert rank_result[case] <= TOL, f"sp={sp} {case}: relative difference {rank_result[case]:.2e}"
+        measured = {k: v for k, v in rank_result.items() if k.startswith(case + "_ring")}
+        assert measured, f"no split of sp={sp} ran for {case}"
+        for name, diff in measured.items():
+            assert diff <= TOL, f"sp={sp} {name}: relative difference {diff:.2e}"
 
 
 # -- flex_attention: forward and evaluation only (no flex backward on CPU in torch 2.13) ------------------------------
@@ -142,6 +153,7 @@ def flex_eval(tmp):
     return trainer.evaluate()["eval_loss"]
 
 
+@pytest.mark.slow
 def test_flex_attention_eval_matches_single_process(tmp_path):
     import transformers
     from transformers import DataCollatorWithFlattening

@@ -45,18 +45,20 @@ def _cases(tmp):
     import torch.distributed as dist
     import transformers
 
-    from hf_sp_trainer import SPTrainer
-    from hf_sp_trainer.attention import UlyssesAttention
-    from hf_sp_trainer.topology import sp_topology
+    from hf_sp_trainer import SPTrainer, apply_sequence_parallel
 
     train = synthetic_dataset(8, seed=3)
 
     def sp_not_dividing_world():
         _args(tmp, sp_size=3)
 
-    def heads_not_divisible():
+    def impossible_split():  # 3 heads can't be split over 2 Ulysses ranks (sp_ring_size=1 forces Ulysses only)
         model = tiny_model("llama", hidden_size=48, num_attention_heads=3, num_key_value_heads=1)
-        SPTrainer(model=model, args=_args(tmp), train_dataset=train)
+        SPTrainer(model=model, args=_args(tmp, sp_ring_size=1), train_dataset=train)
+
+    def ring_kernel_without_lse():  # 3 heads on sp 2: a ring, and flex_attention returns no log-sum-exp
+        model = tiny_model("llama", hidden_size=48, num_attention_heads=3, num_key_value_heads=1)
+        SPTrainer(model=model, args=_args(tmp, sp_attn_implementation="flex_attention"), train_dataset=train)
 
     def attention_outside_registry():
         config = transformers.BloomConfig(vocab_size=128, hidden_size=64, n_layer=1, n_head=4)
@@ -76,7 +78,7 @@ def _cases(tmp):
 
     def padding_on_one_rank_only():  # direct use of the backend, outside the Trainer
         model = tiny_model("llama")
-        UlyssesAttention(sp_topology(2).sp_group, "sdpa").attach(model)
+        apply_sequence_parallel(model, 2)
         mask = torch.ones(1, 8, dtype=torch.long)
         if dist.get_rank() == 0:
             mask[0, -2:] = 0
@@ -84,12 +86,13 @@ def _cases(tmp):
 
     def shard_lengths_differ():
         model = tiny_model("llama")
-        UlyssesAttention(sp_topology(2).sp_group, "sdpa").attach(model)
+        apply_sequence_parallel(model, 2)
         model(input_ids=torch.randint(3, 100, (1, 8 + 2 * dist.get_rank())))
 
     return [
         sp_not_dividing_world,
-        heads_not_divisible,
+        impossible_split,
+        ring_kernel_without_lse,
         attention_outside_registry,
         padded_attention_mask,
         lengths_differ_in_group,
@@ -116,7 +119,8 @@ def run_bad_inputs(tmp):
 
 EXPECTED = {
     "sp_not_dividing_world": ["sp_size=3", "world size 2"],
-    "heads_not_divisible": ["3 attention heads", "sp_size=2"],
+    "impossible_split": ["Ulysses degree of 2", "3 query heads", "sp_ring_size"],
+    "ring_kernel_without_lse": ["ulysses 1 x ring 2", "log-sum-exp", "'flex_attention'"],
     "attention_outside_registry": ["BloomForCausalLM", "AttentionInterface"],
     "padded_attention_mask": ["attention_mask", "padding zeros"],
     "lengths_differ_in_group": ["different shapes"],
@@ -130,6 +134,7 @@ def bad_input_errors(tmp_path_factory):
     return unwrap_results(run_distributed(2, run_bad_inputs, str(tmp_path_factory.mktemp("bad")), timeout=300))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(EXPECTED))
 def test_every_rank_raises_a_clear_error(case, bad_input_errors):
     for rank, errors in enumerate(bad_input_errors):

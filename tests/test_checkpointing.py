@@ -28,13 +28,13 @@ from tests.harness import (
     Case,
     assert_within,
     compare,
+    run_cases,
     run_distributed,
-    run_sp_cases,
     synthetic_dataset,
     tiny_model,
     unwrap_results,
 )
-from tests.sft_harness import SFTCase, reference_run, run_sft_cases
+from tests.sft_harness import SFTCase, reference_run
 
 TOL = 1e-5
 GC = {"gradient_checkpointing": True}
@@ -202,17 +202,18 @@ def _recompute_counts(policy: str, out_dir: str) -> dict:
     return {"forward": {k: forward[k] for k in keys}, "backward": {k: backward[k] for k in keys}, "grads": grads}
 
 
-def _run_all(cases: list[Case], sft_cases: list[SFTCase]) -> dict:
+def _run_all(cases: list) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         counts = {p: _recompute_counts(p, os.path.join(tmp, p)) for p in ("full", "sequence_aware")}
-    return {"counts": counts, "train": run_sp_cases(cases), "sft": run_sft_cases(sft_cases)}
+    return {"counts": counts, "runs": run_cases(cases)}
 
 
 @pytest.fixture(scope="module")
 def sp_results():
-    return unwrap_results(run_distributed(2, _run_all, CASES, SFT_CASES))
+    return unwrap_results(run_distributed(2, _run_all, CASES + SFT_CASES))
 
 
+@pytest.mark.slow
 def test_sequence_aware_recomputes_no_attention_and_no_all_to_all_sp2(sp_results):
     for rank in sp_results:
         print({p: {k: v for k, v in c.items() if k != "grads"} for p, c in rank["counts"].items()})
@@ -227,9 +228,10 @@ def test_sequence_aware_recomputes_no_attention_and_no_all_to_all_sp2(sp_results
         assert _max_rel(selective["grads"], full["grads"]) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES + SFT_CASES, ids=lambda c: c.name)
 def test_checkpoint_features_train_like_plain_single_process(case, sp_results, tmp_path):
-    got = sp_results[0]["sft" if isinstance(case, SFTCase) else "train"][case.name]
+    got = sp_results[0]["runs"][case.name]
     diffs = compare(reference_run(case, str(tmp_path)), got)
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
     assert got["global_step"] == case.steps

@@ -14,12 +14,14 @@ from tests.sft_harness import sft_dataset
 
 BIN = os.path.dirname(sys.executable)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+MAIN_JOB_QUICK = ["--main_job_eval_documents", "2"]  # the main job's evaluation on 2 held-out documents only
 
 
 def _options(help_text: str) -> set[str]:
     return set(re.findall(r"(?<![\w-])--[a-z][\w-]*", help_text))
 
 
+@pytest.mark.slow
 def test_help_accepts_every_trl_sft_option():
     trl_help = subprocess.run([f"{BIN}/trl", "sft", "--help"], capture_output=True, text=True, env=ENV, check=True)
     ours = subprocess.run([f"{BIN}/hf-sp-sft", "--help"], capture_output=True, text=True, env=ENV, check=True)
@@ -28,6 +30,23 @@ def test_help_accepts_every_trl_sft_option():
     assert trl_options <= our_options, sorted(trl_options - our_options)
     for flag in ("--sp_size", "--sp_attn_implementation", "--num_processes"):
         assert flag in our_options
+
+
+def test_one_parser_for_launcher_and_workers():
+    """The launcher splits the command line without building dataclasses (no world-size check in the launcher); the
+    workers build them with the same parser: SP and memory-stack flags, launcher flags left over."""
+    from hf_sp_trainer.cli.args import make_parser
+
+    argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o", "--use_cpu", "--sp_size", "2",
+            "--tiled_mlp", "--tiled_mlp_num_shards", "4", "--checkpoint_policy",
+            "sequence_aware", "--activation_offloading", "--num_processes", "2"]  # fmt: skip
+    namespace, config_remaining, cli_remaining = make_parser().parse_namespace(argv)
+    assert config_remaining == [] and cli_remaining == ["--num_processes", "2"]
+    assert (namespace.sp_size, namespace.sp_ring_size, namespace.tiled_mlp) == (2, None, True)
+    single = [*argv[:-2], "--sp_size", "1"]  # this process is a one-process run: SFTConfig checks sp vs world
+    _, args, _, _ = make_parser().parse_args_and_config(single)
+    assert (args.tiled_mlp, args.tiled_mlp_num_shards, args.checkpoint_policy) == (True, 4, "sequence_aware")
+    assert args.activation_offloading and args.sp_ring_size is None
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +62,7 @@ def tiny_run(tmp_path_factory):
         "--use_peft", "--lora_r", "4", "--lora_dropout", "0", "--lora_target_modules", "q_proj", "v_proj",
         "--max_steps", "3", "--per_device_train_batch_size", "2", "--learning_rate", "1e-3", "--logging_steps", "1",
         "--report_to", "none", "--bf16", "false", "--save_strategy", "no", "--seed", "0",
+        "--max_length", "40",  # truncates some documents: SP must truncate exactly as without it
     ]  # fmt: skip
 
     def run(name, *launchers, flags=()):
@@ -66,7 +86,7 @@ def tiny_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny_run):
-    return tiny_run("sp1", [f"{BIN}/hf-sp-sft", "--num_processes", "1", "--max_length", "none"])
+    return tiny_run("sp1", [f"{BIN}/hf-sp-sft", "--num_processes", "1"])
 
 
 def assert_same_steps(got, reference):
@@ -76,6 +96,7 @@ def assert_same_steps(got, reference):
         assert abs(norm - ref_norm) <= 1e-5 * abs(ref_norm), (got, reference)
 
 
+@pytest.mark.slow
 def test_main_job_runs_end_to_end(tmp_path):
     """The built-in main job, shortened to 5 steps: trains under sp_size 2 and reports loss, accuracy, output."""
     done = subprocess.run(
@@ -89,6 +110,7 @@ def test_main_job_runs_end_to_end(tmp_path):
     assert (tmp_path / "job" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_cli_lora_sp2_matches_one_process(tiny_run, reference):
     launched = tiny_run("sp2", [f"{BIN}/hf-sp-sft", "--num_processes", "2", "--sp_size", "2"])
     torchrun = tiny_run("torchrun", [f"{BIN}/torchrun", "--nproc_per_node", "2", f"{BIN}/hf-sp-sft", "--sp_size", "2",
@@ -97,6 +119,36 @@ def test_cli_lora_sp2_matches_one_process(tiny_run, reference):
         assert_same_steps(got, reference)
 
 
+@pytest.mark.slow
+def test_repeated_two_rank_runs_exit_cleanly(tiny_run):
+    """A finished run exits 0, every time (process groups torn down after a barrier)."""
+    for attempt in range(4):
+        steps = tiny_run(f"exit{attempt}", [f"{BIN}/hf-sp-sft", "--num_processes", "2", "--sp_size", "2"],
+                         flags=["--max_steps", "1"])  # fmt: skip
+        assert len(steps) == 1
+
+
+@pytest.mark.slow
+def test_main_job_same_flags_same_training_at_sp1_and_sp2(tmp_path):
+    """The main job's defaults (documents longer than some training lengths, max_length truncation) give the same
+    per-step losses on one process and on 2 processes with sp 2."""
+    losses = {}
+    for sp in (1, 2):
+        out = tmp_path / f"sp{sp}"
+        done = subprocess.run(
+            [f"{BIN}/hf-sp-sft", "--max_steps", "3", "--logging_steps", "1", "--output_dir", str(out),
+             "--num_processes", str(sp), "--sp_size", str(sp), *MAIN_JOB_QUICK],
+            capture_output=True, text=True, env=ENV, timeout=900, cwd=tmp_path,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+        losses[sp] = [e["loss"] for e in history if "grad_norm" in e]
+    assert len(losses[1]) == 3
+    for got, ref in zip(losses[2], losses[1], strict=True):
+        assert abs(got - ref) <= 1e-5 * abs(ref), losses
+
+
+@pytest.mark.slow
 def test_cli_accelerate_routes(tiny_run, reference):
     """accelerate's own flags: FSDP2 with `--parallelism_config_sp_size 2`, and DeepSpeed ZeRO-3 with --sp_size 2."""
     fsdp = tiny_run("fsdp_pc", [f"{BIN}/hf-sp-sft", "--num_processes", "2", "--use_fsdp", "--fsdp_version", "2",
@@ -111,6 +163,7 @@ def _nodes(port: int, launcher) -> list[list[str]]:
     return [launcher(rank, str(port)) for rank in (0, 1)]
 
 
+@pytest.mark.slow
 def test_multinode_launchers_on_loopback(tiny_run, reference, tmp_path):
     """Two emulated nodes (one process each, rendezvous on 127.0.0.1) under torchrun, accelerate and the deepspeed
     launcher: sp_size 2 spans the nodes and reproduces the one-process run."""

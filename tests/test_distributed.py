@@ -4,8 +4,6 @@ saving and resuming reproduces the uninterrupted run."""
 
 import json
 import os
-import tempfile
-import time
 
 import pytest
 from accelerate import ParallelismConfig
@@ -17,10 +15,13 @@ from tests.harness import (
     build_trainer,
     compare,
     logged_steps,
+    run_cases,
     run_distributed,
     train_case,
     unwrap_results,
 )
+
+pytestmark = pytest.mark.slow  # spawned process groups / launched jobs
 
 BF16_TOL = 3e-2  # bf16 has 8 mantissa bits: ~4e-3 per rounding, a few steps of drift
 WORLD2 = [
@@ -60,17 +61,6 @@ RESUME = [Case(f"resume_{b}", backend=b, steps=4) for b in ("ddp", "fsdp2", "zer
 REPORT = os.environ.get("HF_SP_EQUIVALENCE_REPORT")
 
 
-def run_timed_cases(cases: list[Case]) -> dict[str, dict]:
-    """Each case in turn in one spawned process group, with its wall time."""
-    out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for case in cases:
-            start = time.perf_counter()
-            out[case.name] = train_case(case, sp=True, out_dir=os.path.join(tmp, case.name))
-            out[case.name]["seconds"] = time.perf_counter() - start
-    return out
-
-
 class StepCounter(TrainerCallback):
     def __init__(self):
         self.steps = []
@@ -97,7 +87,7 @@ def resume_runs(cases: list[Case], tmp: str) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def sp_results():
-    return {2: run_distributed(2, run_timed_cases, WORLD2), 4: run_distributed(4, run_timed_cases, WORLD4)}
+    return {2: run_distributed(2, run_cases, WORLD2), 4: run_distributed(4, run_cases, WORLD4)}
 
 
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)
@@ -135,11 +125,11 @@ def test_resume_reproduces_uninterrupted_run(case, resumed):
 def test_cpu_fsdp_hybrid_sharding_is_refused_clearly():
     from types import SimpleNamespace
 
-    from hf_sp_trainer.backends.cpu import drop_cpu_fsdp_mesh
+    from hf_sp_trainer.distributed.cpu_backend import _drop_fsdp_mesh
 
     args = SimpleNamespace(parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))
     with pytest.raises(ValueError, match="dp_replicate_size=2"):
-        drop_cpu_fsdp_mesh(args)
+        _drop_fsdp_mesh(args)
     args = SimpleNamespace(parallelism_config=ParallelismConfig(dp_shard_size=4))
-    drop_cpu_fsdp_mesh(args)  # a 1-D mesh over every rank is FSDP2's default mesh
+    _drop_fsdp_mesh(args)  # a 1-D mesh over every rank is FSDP2's default mesh
     assert args.parallelism_config is None

@@ -9,13 +9,19 @@ from tests.harness import (
     Case,
     assert_within,
     compare,
+    run_cases,
     run_distributed,
-    run_sp_cases,
     train_case,
     unwrap_results,
 )
 
+pytestmark = pytest.mark.slow  # spawned process groups / launched jobs
+
 TOL = 1e-5
+RING2 = {"sp_ring_size": 2}
+THREE_HEADS = {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}
+SIX_HEADS = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2}
+MEMORY_STACK = {"tiled_mlp": True, "tiled_mlp_num_shards": 2, "fused_loss": True, "checkpoint_policy": "sequence_aware"}
 WORLD2 = [
     Case("llama_sgd", optim="sgd"),
     Case("llama_adamw"),
@@ -31,6 +37,13 @@ WORLD2 = [
     Case("mistral_sliding_eager", family="mistral", attn="eager", optim="sgd"),
     Case("gemma3", family="gemma3"),
     Case("phi3", family="phi3"),
+    # ring attention (ulysses 1 x ring 2): packed rows straddle the zigzag chunks, windows, GQA, 1-token documents
+    Case("ring2_llama", sp_overrides=RING2),
+    Case("ring2_3_heads_auto_split", model_overrides=THREE_HEADS),  # 3 heads: sp 2 can only be a ring
+    Case("ring2_mistral_window_ga2", family="mistral", grad_accum=2, sp_overrides=RING2),
+    Case("ring2_gemma3_eager", family="gemma3", attn="eager", sp_overrides=RING2),
+    Case("ring2_one_token_docs", min_len=1, max_len=12, batch_size=4, sp_overrides=RING2),
+    Case("ring2_memory_stack", train_overrides={"gradient_checkpointing": True}, sp_overrides=RING2 | MEMORY_STACK),
 ]
 WORLD4 = [
     Case("sp4_llama_gqa_kv2", sp_size=4, world_size=4),
@@ -38,6 +51,10 @@ WORLD4 = [
     Case("dp2sp2_llama_sgd", optim="sgd", sp_size=2, world_size=4),
     Case("dp2sp2_llama_adamw_ga2", grad_accum=2, sp_size=2, world_size=4),
     Case("dp2sp2_gemma3_eager", family="gemma3", attn="eager", sp_size=2, world_size=4),
+    Case("ring4_llama", sp_size=4, world_size=4, sp_overrides={"sp_ring_size": 4}),
+    Case("hybrid2x2_kv1", sp_size=4, world_size=4, model_overrides={"num_key_value_heads": 1}, sp_overrides=RING2),
+    Case("hybrid2x2_6_heads_auto_split", sp_size=4, world_size=4, model_overrides=SIX_HEADS),  # ulysses 2 x ring 2
+    Case("dp2_ring2_qwen2_window", family="qwen2", optim="sgd", sp_size=2, world_size=4, sp_overrides=RING2),
 ]
 REPORT = os.environ.get("HF_SP_EQUIVALENCE_REPORT")  # optional JSON file collecting the measured differences
 
@@ -46,7 +63,7 @@ REPORT = os.environ.get("HF_SP_EQUIVALENCE_REPORT")  # optional JSON file collec
 def sp_results():
     results = {}
     for world, cases in ((2, WORLD2), (4, WORLD4)):
-        results[world] = run_distributed(world, run_sp_cases, cases)
+        results[world] = run_distributed(world, run_cases, cases)
     return results
 
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
-from dataclasses import dataclass, field
+import contextlib
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hf_sp_trainer.memory.fused_loss import has_fused_loss
 from tests.harness import (
     VOCAB,
     Case,
@@ -19,6 +19,7 @@ from tests.harness import (
     compare,
     quiet_args,
     record_inputs,
+    run_cases,
     run_distributed,
     synthetic_dataset,
     tiny_model,
@@ -40,6 +41,10 @@ class FusedCase:
     masked_prompt: bool = False
     lora: bool = False
     model_overrides: dict = field(default_factory=dict)
+    fused: bool = False
+
+    def train(self, sp: bool, out_dir: str) -> dict:
+        return train_fused_case(self, self.fused, out_dir)
 
 
 SP2 = [
@@ -118,38 +123,30 @@ def train_fused_case(case: FusedCase, fused: bool, out_dir: str) -> dict:
     }
 
 
-def run_pairs(cases: list[FusedCase]) -> dict[str, dict]:
-    """Every case unfused then fused (in each spawned rank)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        return {
-            (case.name, fused): train_fused_case(case, fused, os.path.join(tmp, f"{case.name}_{fused}"))
-            for case in cases
-            for fused in (False, True)
-        }
+def pairs(*cases: FusedCase) -> list[FusedCase]:
+    """Each case unfused, then fused."""
+    return [replace(c, name=f"{c.name}_{'fused' if f else 'unfused'}", fused=f) for c in cases for f in (False, True)]
 
 
-def run_all(pairs: list[FusedCase], backend_cases: list[Case]) -> dict:
-    """The fused/unfused pairs, then the backend cases counting the LM-head calls made in training mode."""
-    out = run_pairs(pairs)
-    calls: list = []
+@contextlib.contextmanager
+def count_train_head_calls(_case):
+    """A ``run_cases`` probe: LM-head-shaped outputs (VOCAB columns) computed in training mode."""
+    counts = {"train_head_calls": 0}
 
     def hook(module, _args, output):
         if module.training and isinstance(output, torch.Tensor) and output.ndim >= 2 and output.shape[-1] == VOCAB:
-            calls.append(module)
+            counts["train_head_calls"] += 1
 
-    for case in backend_cases:
-        calls.clear()
-        handle = torch.nn.modules.module.register_module_forward_hook(hook)
-        with tempfile.TemporaryDirectory() as tmp:
-            out[case.name] = train_case(case, sp=True, out_dir=tmp)
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        yield counts
+    finally:
         handle.remove()
-        out[case.name]["train_head_calls"] = len(calls)
-    return out
 
 
 @pytest.fixture(scope="module")
 def sp2_results():
-    return unwrap_results(run_distributed(2, run_all, SP2, BACKENDS))[0]
+    return unwrap_results(run_distributed(2, run_cases, pairs(*SP2) + BACKENDS, count_train_head_calls))[0]
 
 
 def _check(case: FusedCase, ref: dict, got: dict) -> None:
@@ -163,11 +160,13 @@ def _check(case: FusedCase, ref: dict, got: dict) -> None:
         assert got["empty_shards"] > 0, "the case was meant to contain shards whose labels are all -100"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", SP2, ids=lambda c: c.name)
 def test_fused_matches_unfused_sp2(case, sp2_results):
-    _check(case, sp2_results[(case.name, False)], sp2_results[(case.name, True)])
+    _check(case, sp2_results[f"{case.name}_unfused"], sp2_results[f"{case.name}_fused"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", BACKENDS, ids=lambda c: c.name)
 def test_fused_with_sharded_lm_head(case, sp2_results, tmp_path):
     """FSDP2 / ZeRO-3 shard the LM-head weight; the fused loss still gives the single-process training."""
@@ -180,8 +179,8 @@ def test_fused_with_sharded_lm_head(case, sp2_results, tmp_path):
 
 
 def test_fused_matches_unfused_single_process(tmp_path):
-    results = run_pairs([SINGLE])
-    _check(SINGLE, results[(SINGLE.name, False)], results[(SINGLE.name, True)])
+    results = run_cases(pairs(SINGLE))
+    _check(SINGLE, results[f"{SINGLE.name}_unfused"], results[f"{SINGLE.name}_fused"])
 
 
 class _LargestLogits(TorchDispatchMode):
@@ -257,7 +256,7 @@ def test_sft_fused_loss_is_trls_fused_head(tmp_path):
     losses = {}
     for fused in (False, True):
         trainer = _sft_trainer(str(tmp_path / str(fused)), fused_loss=fused)
-        assert not getattr(trainer, "_sp_fused_loss", False)
+        assert not has_fused_loss(trainer.model)
         trainer.train()
         losses[fused] = [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "grad_norm" in e]
     assert losses[True] == losses[False] and len(losses[True]) == 2

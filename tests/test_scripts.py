@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # spawned process groups / launched jobs
+
 SCRIPTS = sorted(str(p) for p in (Path(__file__).parents[1] / "scripts" / "lora").glob("*.sh") if p.name[0] != "_")
 
 

@@ -2,8 +2,10 @@
 
 import pytest
 
-from tests.harness import run_distributed, unwrap_results
-from tests.sft_harness import SFTCase, run_sft_cases, train_sft_case
+from tests.harness import run_cases, run_distributed, unwrap_results
+from tests.sft_harness import SFTCase, train_sft_case
+
+pytestmark = pytest.mark.slow  # spawned process groups / launched jobs
 
 TOL = 1e-5
 WORLD2 = [
@@ -21,7 +23,7 @@ WORLD4 = [SFTCase("dp2sp2_lora_completion", data="prompt_completion", lora=True,
 
 @pytest.fixture(scope="module")
 def sp_results():
-    return {world: run_distributed(world, run_sft_cases, cases) for world, cases in ((2, WORLD2), (4, WORLD4))}
+    return {world: run_distributed(world, run_cases, cases) for world, cases in ((2, WORLD2), (4, WORLD4))}
 
 
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)

@@ -4,6 +4,7 @@ with gradient checkpointing and the other memory features, and with LoRA on an M
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import Counter
 
@@ -16,12 +17,12 @@ from tests.harness import (
     Case,
     assert_within,
     compare,
+    run_cases,
     run_distributed,
-    run_sp_cases,
     tiny_model,
     unwrap_results,
 )
-from tests.sft_harness import SFTCase, reference_run, run_sft_cases
+from tests.sft_harness import SFTCase, reference_run
 
 TOL = 1e-5
 TILED = {"tiled_mlp": True, "tiled_mlp_num_shards": 3}
@@ -123,47 +124,31 @@ def test_tiled_mlp_evaluation_and_default_tile_count():
     assert float((got - ref).norm() / ref.norm()) <= TOL
 
 
-def test_cli_accepts_the_memory_flags():
-    from hf_sp_trainer.cli.launch import make_launcher_parser
-    from hf_sp_trainer.cli.sft import make_parser
-
-    argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o", "--use_cpu", "--tiled_mlp",
-            "--tiled_mlp_num_shards", "4", "--checkpoint_policy", "sequence_aware",
-            "--activation_offloading"]  # fmt: skip
-    *_, config_remaining, cli_remaining = make_launcher_parser().parse_args_and_config(
-        argv, return_remaining_strings=True, separate_remaining_strings=True
-    )
-    assert config_remaining == cli_remaining == []
-    _, args, _, _ = make_parser().parse_args_and_config(argv)
-    assert (args.tiled_mlp, args.tiled_mlp_num_shards, args.checkpoint_policy) == (True, 4, "sequence_aware")
-    assert args.activation_offloading
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # training: SP=2 under DDP, FSDP2, ZeRO-3, LoRA
 # ----------------------------------------------------------------------------------------------------------------
-def _run_all(cases: list[Case], sft_cases: list[SFTCase]) -> dict:
-    """Every case in turn, with the number of tiled MLP calls it made."""
-    ran: Counter = Counter()
-    hook = torch.nn.modules.module.register_module_forward_hook(
-        lambda module, *_: ran.update(["tiled"]) if isinstance(module, TiledMLP) else None
-    )
-    out = {}
+@contextlib.contextmanager
+def count_tiled_calls(_case):
+    """A ``run_cases`` probe: how many tiled MLP forwards the case ran."""
+    counts = {"tiled_calls": 0}
+
+    def hook(module, *_):
+        if isinstance(module, TiledMLP):
+            counts["tiled_calls"] += 1
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
     try:
-        for case in sft_cases + cases:  # SFT first: a ZeRO-3 case leaves transformers' DeepSpeed config set
-            ran.clear()
-            run = run_sft_cases if isinstance(case, SFTCase) else run_sp_cases
-            out[case.name] = run([case])[case.name] | {"tiled_calls": ran["tiled"]}
+        yield counts
     finally:
-        hook.remove()
-    return out
+        handle.remove()
 
 
 @pytest.fixture(scope="module")
 def sp_results():
-    return unwrap_results(run_distributed(2, _run_all, CASES, SFT_CASES))[0]
+    return unwrap_results(run_distributed(2, run_cases, SFT_CASES + CASES, count_tiled_calls))[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES + SFT_CASES, ids=lambda c: c.name)
 def test_tiled_mlp_trains_like_plain_single_process(case, sp_results, tmp_path):
     got = sp_results[case.name]

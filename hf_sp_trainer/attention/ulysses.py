@@ -1,9 +1,11 @@
-"""Ulysses sequence parallelism as a transformers attention backend.
+"""Sequence parallelism as a transformers attention backend: Ulysses, and Ulysses x Ring.
 
-Each rank holds ``s/P`` tokens of every sequence. Before attention an all-to-all turns ``[b, h, s/P, d]`` into
-``[b, h/P, s, d]``; the inner kernel runs on the full sequence for this rank's heads; a second all-to-all turns
-``[b, s, h/P, d]`` back into ``[b, s/P, h, d]``. Document boundaries come from the ``position_ids`` of the whole
-sequence, gathered once per forward step by a pre-hook on the decoder.
+Each rank holds ``s/P`` tokens of every sequence. Before attention an all-to-all over the Ulysses group (``U``
+ranks) turns ``[b, h, s/P, d]`` into ``[b, h/U, s/R, d]``: this rank's heads over its ring portion (the whole
+sequence when the ring size ``R`` is 1). The inner kernel runs on the whole sequence (``R == 1``), or ring attention
+passes K/V blocks around the ring group (``R > 1``); a second all-to-all turns ``[b, s/R, h/U, d]`` back into
+``[b, s/P, h, d]``. Document boundaries come from the ``position_ids`` of the whole sequence, gathered once per
+forward step by a pre-hook on the decoder.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ import math
 import weakref
 
 import torch
-import torch.distributed as dist
 from transformers import AttentionInterface, PreTrainedModel
 
+from ..sharding import SequenceSharding
+from ..topology import SPTopology, split_sp_size
 from .all_to_all import all_gather_along, all_to_all
+from .block_attention import check_kernel
 from .kernels import resolve_kernel, run_kernel
 from .layout import DocumentLayout
+from .ring import make_plan, ring_attention
 
 ULYSSES_KEY = "ulysses_sp"  # must contain neither "flash" nor "sdpa": those trigger special loading paths
 _HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> its gathering pre-hook
@@ -45,8 +50,11 @@ def kv_replication(num_kv_heads: int, sp_size: int) -> int:
     return math.lcm(num_kv_heads, sp_size) // num_kv_heads
 
 
-def validate_model_for_sp(model: PreTrainedModel, sp_size: int) -> None:
-    """Raise a ``ValueError`` (the same on every rank, before any collective) if ``model`` can't run Ulysses SP."""
+def validate_model_for_sp(
+    model: PreTrainedModel, sp_size: int, ring_size: int | None = None, kernel: str | None = None
+) -> tuple[int, int]:
+    """Raise a ``ValueError`` (the same on every rank, before any collective) if ``model`` can't run SP; else return
+    the ``(ulysses, ring)`` split of ``sp_size`` for its heads."""
     name = type(model).__name__
     if not getattr(model, "_supports_attention_backend", False):
         raise ValueError(
@@ -55,65 +63,102 @@ def validate_model_for_sp(model: PreTrainedModel, sp_size: int) -> None:
             "`_supports_attention_backend = True` (Llama, Qwen2/3, Mistral, Gemma, Phi3, ...) or sp_size=1."
         )
     heads, kv_heads = head_counts(model.config)
-    if heads % sp_size != 0 or heads % kv_heads != 0:
-        raise ValueError(
-            f"{name} ({model.config.model_type}) has {heads} attention heads and {kv_heads} key/value heads: "
-            f"the {heads} query heads can't be split evenly over sp_size={sp_size} ranks. Choose an sp_size that "
-            f"divides {heads} (e.g. {[d for d in range(2, heads + 1) if heads % d == 0][:4]})."
-        )
+    if heads % kv_heads:
+        raise ValueError(f"{name} has {heads} query heads, not a multiple of its {kv_heads} key/value heads.")
     if any(getattr(m, "sinks", None) is not None for m in model.modules()):
         raise ValueError(
-            f"{name} uses attention sinks (a learned per-head logit); Ulysses SP does not slice them per head yet. "
-            "Use sp_size=1 for this model."
+            f"{name} uses attention sinks (a learned per-head logit); SP does not slice them per head yet. Use "
+            "sp_size=1 for this model."
         )
+    ulysses, ring = split_sp_size(sp_size, heads, ring_size)
+    kernel = kernel or model.config._attn_implementation
+    if kernel == ULYSSES_KEY:
+        raise ValueError(f"The inner attention kernel can't be {ULYSSES_KEY!r} itself: set sp_attn_implementation.")
+    if ring > 1:
+        try:
+            check_kernel(kernel, model.device, getattr(model.config.get_text_config(), "attn_logit_softcapping", None))
+        except ValueError as exc:
+            raise ValueError(
+                f"sp_size={sp_size} runs as ulysses {ulysses} x ring {ring} for {name}'s {heads} query heads: {exc} "
+                f"(sp_attn_implementation), or choose an sp_size dividing {heads}."
+            ) from exc
+    return ulysses, ring
 
 
 class UlyssesAttention:
-    """The attention function registered under ``ULYSSES_KEY`` (one per process: the last one attached)."""
+    """The attention function registered under ``ULYSSES_KEY`` (one per process: the last one attached).
 
-    def __init__(self, group: dist.ProcessGroup, kernel: str):
-        self.group = group
-        self.kernel = kernel
-        self.sp_size = dist.get_world_size(group)
-        self.sp_rank = dist.get_rank(group)
+    All-to-all over the Ulysses group, then the inner kernel over the whole sequence (``ring == 1``) or ring attention
+    over the ring group for this rank's ring portion, then the inverse all-to-all.
+    """
+
+    def __init__(self, topology: SPTopology, sharding: SequenceSharding, kernel: str):
+        self.topology, self.sharding, self.kernel = topology, sharding, kernel
         self.layout: DocumentLayout | None = None
 
     # -- the attention function -------------------------------------------------------------------------------
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
         if self.layout is None:
             raise RuntimeError("Ulysses attention was called outside a forward of the model it was attached to.")
-        rep = kv_replication(key.shape[1], self.sp_size)
+        topo = self.topology
+        group = topo.ulysses_group
+        rep = kv_replication(key.shape[1], topo.ulysses_size)
         if rep > 1:  # e.g. 2 kv heads on 4 ranks: each rank needs its query heads' kv head
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
-        q, k, v = (all_to_all(t, scatter_dim=1, gather_dim=2, group=self.group) for t in (query, key, value))
-        fn = resolve_kernel(self.kernel, module)
-        kernel_module = module if rep == 1 else _KVGroupsView(module, q.shape[1] // k.shape[1])
-        out = run_kernel(self.kernel, fn, kernel_module, q, k, v, self.layout, kwargs)  # [b, s, h/P, d]
-        return all_to_all(out, scatter_dim=1, gather_dim=2, group=self.group), None  # [b, s/P, h, d]
+        q, k, v = (all_to_all(t, scatter_dim=1, gather_dim=2, group=group) for t in (query, key, value))
+        if topo.ring_size > 1:
+            out = self._ring(module, q, k, v, kwargs)
+        else:
+            fn = resolve_kernel(self.kernel, module)
+            kernel_module = module if rep == 1 else _KVGroupsView(module, q.shape[1] // k.shape[1])
+            out = run_kernel(self.kernel, fn, kernel_module, q, k, v, self.layout, kwargs)  # [b, s, h/U, d]
+        return all_to_all(out, scatter_dim=1, gather_dim=2, group=group), None  # [b, s/P, h, d]
+
+    def _ring(self, module, q, k, v, kwargs):
+        segments, group, window = self.layout.segments, self.topology.ring_group, kwargs.get("sliding_window")
+        plan = self.layout.cached(("ring_plan", window), lambda: make_plan(segments, q.shape[2], group, window))
+        return ring_attention(
+            q,
+            k,
+            v,
+            segments,
+            group,
+            scale=kwargs.get("scaling") or q.shape[-1] ** -0.5,
+            sliding_window=window,
+            softcap=kwargs.get("softcap"),
+            kernel=self.kernel,
+            dropout=kwargs.get("dropout", 0.0),
+            plan=plan,
+        )
 
     # -- wiring into a model ----------------------------------------------------------------------------------
     def attach(self, model: PreTrainedModel) -> None:
         """Route ``model``'s attention through this backend and gather document boundaries once per forward."""
-        validate_model_for_sp(model, self.sp_size)
-        if self.kernel == ULYSSES_KEY:
-            raise ValueError(f"The inner attention kernel can't be {ULYSSES_KEY!r} itself: set sp_attn_implementation.")
         model.set_attn_implementation(self.kernel)  # transformers validates the inner kernel (installed, GPU, ...)
         AttentionInterface.register(ULYSSES_KEY, self)
         model.set_attn_implementation(ULYSSES_KEY)
-        decoder = getattr(model, model.base_model_prefix, model)
+        decoder = _decoder(model)
         if decoder in _HOOKS:  # attached before (e.g. a second trainer on the same model): replace the old hook
             _HOOKS[decoder].remove()
         _HOOKS[decoder] = decoder.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+
+    def detach(self, model: PreTrainedModel) -> None:
+        """Undo ``attach``: the model's attention is the inner kernel again, run on the local tokens only."""
+        hook = _HOOKS.pop(_decoder(model), None)
+        if hook is not None:
+            hook.remove()
+        model.set_attn_implementation(self.kernel)
 
     def _before_forward(self, module, args, kwargs):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         tokens = input_ids if input_ids is not None else kwargs["inputs_embeds"]
         batch, local_len = tokens.shape[:2]
+        group, sp_size = self.topology.sp_group, self.topology.sp_size
         mask = kwargs.get("attention_mask")
         has_padding = mask is not None and not bool(mask.bool().all())
         # One small collective every rank always completes, so a bad input raises everywhere instead of hanging.
         shapes = all_gather_along(
-            torch.tensor([[batch, local_len, int(has_padding)]], device=tokens.device), 0, self.group
+            torch.tensor([[batch, local_len, int(has_padding)]], device=tokens.device), 0, group
         ).tolist()
         if any(row[:2] != shapes[0][:2] for row in shapes):
             raise ValueError(
@@ -126,11 +171,21 @@ class UlyssesAttention:
                 "An attention_mask with padding zeros was passed under sequence parallelism; padded batches are not "
                 "supported. Pack examples with position_ids instead (hf_sp_trainer.SPDataCollator)."
             )
+        full_len = local_len * sp_size
+        if full_len % self.sharding.multiple:
+            raise ValueError(
+                f"Sequence-parallel shards of {local_len} tokens make a sequence of {full_len}, not a multiple of "
+                f"{self.sharding.multiple} (2 x sp_size with a ring); pad the batch with SequenceSharding.shard_batch."
+            )
         position_ids = kwargs.get("position_ids")
         if position_ids is None:
-            start = self.sp_rank * local_len
-            position_ids = torch.arange(start, start + local_len, device=tokens.device).unsqueeze(0)
+            position_ids = self.sharding.positions(full_len, self.topology.sp_rank).to(tokens.device).unsqueeze(0)
         position_ids = position_ids.expand(batch, -1)
-        self.layout = DocumentLayout.from_position_ids(all_gather_along(position_ids, 1, self.group))
+        full = self.sharding.unshard(all_gather_along(position_ids, 1, group))
+        self.layout = DocumentLayout.from_position_ids(full)
         kwargs.update(position_ids=position_ids, attention_mask=None, use_cache=False)
         return args, kwargs
+
+
+def _decoder(model: PreTrainedModel) -> torch.nn.Module:
+    return getattr(model, model.base_model_prefix, model)

@@ -6,29 +6,13 @@ Flags the training dataclasses don't know (``--num_processes``, ``--num_machines
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import os
 import sys
-
-from . import main_job
 
 # Set by torchrun, `accelerate launch` and the deepspeed launcher in every worker.
 _LAUNCHED_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE")
 # `accelerate launch` needs one of these to start more than one process.
 _MULTI_PROCESS_FLAGS = ("--multi_gpu", "--use_deepspeed", "--use_fsdp", "--config_file", "--tpu", "--use_mps_device")
-
-EPILOG = """
-launcher flags (passed to `accelerate launch`, as with `trl sft`):
-  --num_processes N        processes to start (world size = dp x sp); --accelerate_config NAME|FILE
-  --num_machines, --machine_rank, --main_process_ip, --main_process_port   multi-node launches
-Without model and dataset arguments, hf-sp-sft runs its built-in main job: a small Llama trained on synthetic
-passkey-retrieval documents on CPU with 2 processes and sp_size 2.
-"""
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
 
 
 def _subtract(argv: list[str], subsequence: list[str]) -> list[str]:
@@ -72,41 +56,22 @@ def _on_cpu_only() -> bool:
     return not torch.cuda.is_available()
 
 
-def make_launcher_parser():
-    """TRL's parser over TRL's dataclasses plus the SP flags; nothing is validated against a world size here."""
-    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser
-
-    from ..arguments import SequenceParallelArguments
-    from ..memory import MemoryArguments
-
-    trl_fields = {f.name for f in dataclasses.fields(SFTConfig)}  # TRL has `activation_offloading` already
-    memory = dataclasses.make_dataclass(
-        "MemoryArguments",
-        [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
-         for f in dataclasses.fields(MemoryArguments) if f.name not in trl_fields],
-    )  # fmt: skip
-    dataclass_types = (ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig, SequenceParallelArguments, memory)
-    parser = TrlParser(dataclass_types, prog="hf-sp-sft")
-    parser.epilog = EPILOG
-    parser.formatter_class = _HelpFormatter
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from . import sft
+    from . import main_job, sft
+    from .args import make_parser
 
     if any(os.environ.get(name) for name in _LAUNCHED_ENV):  # started by torchrun / accelerate / deepspeed
         sft.worker(argv)
         return 0
-    if _on_cpu_only() and "--use_cpu" not in argv:
-        argv.append("--use_cpu")  # else TrainingArguments refuses its bf16 default on a CPU-only machine
-    script, _, model, data, *_, config_remaining, cli_remaining = make_launcher_parser().parse_args_and_config(
-        argv, return_remaining_strings=True, separate_remaining_strings=True
-    )
+    if _on_cpu_only():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed then says nothing about detecting no GPU
+        if "--use_cpu" not in argv:
+            argv.append("--use_cpu")  # else TrainingArguments refuses its bf16 default on a CPU-only machine
+    namespace, config_remaining, cli_remaining = make_parser().parse_namespace(argv)
     launch_args = config_remaining + cli_remaining
     script_args = _subtract(argv, cli_remaining)
-    if main_job.is_requested(script, model, data):
+    if main_job.is_requested(namespace):
         script_args = main_job.default_argv(script_args)
         launch_args = main_job.default_launch_args(launch_args)
     _accelerate_launch(launch_args, script_args)

@@ -31,8 +31,10 @@ TRAIN_EXAMPLES, TRAIN_CHARS = 650, (2048, 4096)  # one epoch: 650 steps, about 3
 EVAL_EXAMPLES, EVAL_CHARS = 8, (2048, 16384)
 
 
-def is_requested(script_args, model_args, dataset_args) -> bool:
-    return not (model_args.model_name_or_path or script_args.dataset_name or dataset_args.datasets)
+def is_requested(*parsed) -> bool:
+    """No model and no dataset among the parsed arguments (a namespace, or TRL's script/model/dataset dataclasses)."""
+    names = ("model_name_or_path", "dataset_name", "datasets")
+    return not any(getattr(p, name, None) for p in parsed for name in names)
 
 
 def default_argv(argv: list[str]) -> list[str]:
@@ -63,7 +65,6 @@ def run(training_args, model_args) -> None:
     from ..data import build_char_tokenizer
     from ..data.passkey import passkey_dataset, retrieval_accuracy
     from ..sft import SPSFTTrainer
-    from .sft import finish
 
     start = time.time()
     torch.manual_seed(training_args.seed)
@@ -100,4 +101,4 @@ def run(training_args, model_args) -> None:
             "    --attn_implementation flash_attention_2 --bf16 --gradient_checkpointing\n"
             "  (see scripts/lora/ for ready-made launch scripts and accelerate configs)"
         )
-    finish(trainer)
+    trainer.end()

@@ -1,8 +1,4 @@
-"""The training side of ``hf-sp-sft``: TRL's ``sft`` script with ``SPSFTTrainer`` (run in every worker process).
-
-Parsed with TRL's own parser and dataclasses (``ScriptArguments``, ``ModelConfig``, ``DatasetMixtureConfig``) and
-our ``SFTConfig`` (``trl.SFTConfig`` + SP fields), so every ``trl sft`` flag and YAML key works unchanged.
-"""
+"""The training side of ``hf-sp-sft``: TRL's ``sft`` script with ``SPSFTTrainer`` (run in every worker process)."""
 
 from __future__ import annotations
 
@@ -11,14 +7,6 @@ import sys
 from pathlib import Path
 
 LOCAL_DATA_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
-
-
-def make_parser(prog: str = "hf-sp-sft"):
-    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
-
-    from hf_sp_trainer.sft import SFTConfig
-
-    return TrlParser((ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig), prog=prog)
 
 
 def load_sft_dataset(script_args, dataset_args):
@@ -37,16 +25,11 @@ def load_sft_dataset(script_args, dataset_args):
 
 
 def train(script_args, training_args, model_args, dataset_args) -> None:
-    """Train as ``trl sft`` does, with sequence parallelism; the built-in main job when no model or data is given."""
+    """Train as ``trl sft`` does, with sequence parallelism."""
     from transformers import set_seed
     from trl import get_peft_config, get_quantization_config
 
-    from hf_sp_trainer.cli import main_job
     from hf_sp_trainer.sft import SPSFTTrainer
-
-    if main_job.is_requested(script_args, model_args, dataset_args):
-        main_job.run(training_args, model_args)
-        return
 
     training_args.model_init_kwargs = {
         "revision": model_args.model_revision,
@@ -72,25 +55,38 @@ def train(script_args, training_args, model_args, dataset_args) -> None:
     trainer.accelerator.print(f"Model saved to {os.path.abspath(training_args.output_dir)}")
     if training_args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    finish(trainer)
-
-
-def finish(trainer) -> None:
-    """End trackers and the process group; the barrier first avoids a sporadic gloo hang/abort at exit."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
     trainer.end()
 
 
+def quiet_other_ranks() -> None:
+    """One console: progress bars and library warnings from the main process only."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        return
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    transformers.logging.set_verbosity_error()
+
+
 def worker(argv: list[str]) -> None:
-    """Entry point of each launched process."""
+    """Entry point of each launched process: the main job's defaults when no model or data is given, then train."""
+    from hf_sp_trainer.cli import main_job
+    from hf_sp_trainer.cli.args import make_parser
+
+    quiet_other_ranks()
     parser = make_parser()
+    namespace, _, _ = parser.parse_namespace(argv)
+    if main_job.is_requested(namespace):
+        argv = main_job.default_argv(argv)
     script_args, training_args, model_args, dataset_args = parser.parse_args_and_config(
         argv, fail_with_unknown_args=False
     )
-    train(script_args, training_args, model_args, dataset_args)
+    if main_job.is_requested(script_args, model_args, dataset_args):
+        main_job.run(training_args, model_args)
+    else:
+        train(script_args, training_args, model_args, dataset_args)
 
 
 if __name__ == "__main__":

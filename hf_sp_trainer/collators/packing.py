@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..sharding import IGNORE_INDEX, add_shift_labels, pad_to_multiple
+from ..sharding import IGNORE_INDEX
 
 
 def _as_list(x: Any) -> list[int]:
@@ -21,12 +21,10 @@ class SPDataCollator:
 
     Labels follow ``transformers.DataCollatorWithFlattening``: the first token of every document gets ``-100``, so
     no document predicts the next one. Already-packed examples (with their own ``position_ids``) keep their
-    documents. ``shift_labels`` are computed on the whole row, and the row is padded to a multiple of
-    ``pad_to_multiple_of`` (padding: its own document, labels ``-100``).
+    documents. The collator only packs: shifting, padding and slicing for SP happen once, in
+    ``hf_sp_trainer.sharding``.
     """
 
-    pad_to_multiple_of: int = 1
-    pad_token_id: int = 0
     separator_id: int = IGNORE_INDEX
 
     def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -46,10 +44,8 @@ class SPDataCollator:
             position_ids += list(pos)
         if not input_ids:
             raise ValueError("SPDataCollator received a batch in which every example is empty.")
-        batch = {
+        return {
             "input_ids": torch.tensor([input_ids], dtype=torch.long),
             "labels": torch.tensor([labels], dtype=torch.long),
             "position_ids": torch.tensor([position_ids], dtype=torch.long),
         }
-        batch = add_shift_labels(batch)
-        return pad_to_multiple(batch, self.pad_to_multiple_of, self.pad_token_id)

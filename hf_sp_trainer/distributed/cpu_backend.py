@@ -2,13 +2,16 @@
 
 accelerate selects FSDP and DeepSpeed only on accelerator devices: on a CPU-only machine a run asking for either
 silently becomes plain DDP (FSDP) or a single process (DeepSpeed). torch's FSDP2 and DeepSpeed's ZeRO both run over
-gloo, so when the run is distributed and no accelerator is present, we set the distributed state up ourselves and
-hand it to accelerate (``use_configured_state``); the training then goes through accelerate's own FSDP2 and
-DeepSpeed code paths. Nothing changes when a GPU is present.
+gloo, so when the run is distributed and no accelerator is present, this module sets the distributed state up in two
+phases: ``bring_up`` when the training arguments set up their devices (gloo, and accelerate's state typed for the
+backend, handed over with ``use_configured_state``), and ``accelerator_setup`` around the trainer's accelerator
+creation (the FSDP2 plugin). The training then goes through accelerate's own FSDP2 and DeepSpeed code paths. Nothing
+changes when a GPU is present.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -30,8 +33,13 @@ def wants_cpu_backend(args) -> str | None:
     return None
 
 
-def bring_up_cpu_state(args, backend: str) -> None:
-    """Start gloo and accelerate's ``PartialState`` over it, typed for ``backend``, before ``args`` set up devices."""
+def bring_up(args) -> None:
+    """Phase 1, when ``args`` set up their devices: if they ask for FSDP2 or DeepSpeed on a distributed CPU-only run,
+    start gloo and accelerate's state typed for that backend (DeepSpeed's ZeRO-3 ``zero.Init`` needs it before any
+    model is built). Otherwise nothing."""
+    backend = wants_cpu_backend(args)
+    if backend is None:
+        return
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
@@ -42,14 +50,26 @@ def bring_up_cpu_state(args, backend: str) -> None:
     if backend == "deepspeed":
         import deepspeed.comm
 
-        deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)  # zero.Init needs it early
+        deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
         state.distributed_type = DistributedType.DEEPSPEED
         args.use_cpu = False  # accelerate's DeepSpeed path is skipped for `cpu=True`; the device stays the CPU
     args.accelerator_config.use_configured_state = True
 
 
-def drop_cpu_fsdp_mesh(args) -> None:
-    """accelerate validates a ``ParallelismConfig`` before we switch a CPU run to FSDP2; a 1-D ``dp_shard`` mesh over
+@contextlib.contextmanager
+def accelerator_setup(trainer):
+    """Phase 2, around ``Trainer.create_accelerator_and_postprocess``: accelerate attaches an FSDP plugin only on
+    accelerator devices, so on CPU the run is switched to accelerate's FSDP2 path once the accelerator exists."""
+    fsdp = wants_cpu_backend(trainer.args) == "fsdp"
+    if fsdp:
+        _drop_fsdp_mesh(trainer.args)
+    yield
+    if fsdp:
+        _enable_fsdp(trainer)
+
+
+def _drop_fsdp_mesh(args) -> None:
+    """accelerate validates a ``ParallelismConfig`` before the run is switched to FSDP2; a 1-D ``dp_shard`` mesh over
     every rank is FSDP2's default mesh, so it is dropped. Hybrid sharding (``dp_replicate_size > 1``) needs GPUs."""
     config = args.parallelism_config
     if config is None:
@@ -62,8 +82,7 @@ def drop_cpu_fsdp_mesh(args) -> None:
     args.parallelism_config = None
 
 
-def enable_cpu_fsdp(trainer) -> None:
-    """Route a CPU-only FSDP run through accelerate's FSDP2 path (accelerate picks plain DDP on CPU)."""
+def _enable_fsdp(trainer) -> None:
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 

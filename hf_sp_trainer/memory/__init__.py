@@ -1,27 +1,56 @@
 """The long-context memory stack: tiled MLP, fused chunked loss, checkpoint offload, sequence-aware checkpointing.
 
-Each feature is one ``MemoryArguments`` field; ``enable_memory_features`` applies the enabled ones to a trainer's
-model after ``Trainer.__init__`` (with any ``sp_size``, including 1).
+Each feature is one ``MemoryArguments`` field; ``enable_memory_features`` applies the enabled ones to a model (with
+any ``sp_size``, including 1). Everything happens on the model: the trainers only call this once.
 """
 
 from __future__ import annotations
 
+import contextlib
+
+from torch import nn
+
 from .arguments import MemoryArguments
-from .fused_loss import enable_trainer_fused_loss, fused_loss_inputs
+from .fused_loss import loss_only_inputs
+
+# TRL trainers have a flag named like ours and would act on it themselves (TRL's offloading of every saved activation,
+# accelerators only); ours replaces it, so the base trainer's constructor sees it off.
+OWNED_FLAGS = ("activation_offloading",)
 
 
-def enable_memory_features(trainer) -> None:
-    """Apply the memory features switched on in ``trainer.args`` to ``trainer.model``."""
-    # Each feature adds its branch here, importing its module lazily.
-    if getattr(trainer.args, "fused_loss", False):
-        enable_trainer_fused_loss(trainer)
-    if getattr(trainer.args, "tiled_mlp", False):
+@contextlib.contextmanager
+def hidden_from_base_trainer(args):
+    """Within: the memory-stack flags a base trainer also defines (``OWNED_FLAGS``) read False; restored after."""
+    saved = {name: getattr(args, name) for name in OWNED_FLAGS if getattr(args, name, False)}
+    for name in saved:
+        setattr(args, name, False)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(args, name, value)
+
+
+def enable_memory_features(model: nn.Module, args, *, lm_loss_fused: bool = False) -> None:
+    """Apply the memory features switched on in ``args`` to ``model`` (once, after the trainer is built).
+
+    ``lm_loss_fused``: the trainer already computes its LM loss without the full logits (TRL's SFT ``nll``/``dft``), so
+    ``fused_loss`` has nothing to do.
+    """
+    if getattr(args, "fused_loss", False):
+        from .fused_loss import enable_fused_loss, log_fused_by_trainer
+
+        if lm_loss_fused:
+            log_fused_by_trainer(args)
+        else:
+            enable_fused_loss(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    if getattr(args, "tiled_mlp", False):
         from .tiled_mlp import apply_tiled_mlp
 
-        apply_tiled_mlp(trainer.model, trainer.args.tiled_mlp_num_shards)
+        apply_tiled_mlp(model, args.tiled_mlp_num_shards)
     from .checkpointing import enable_checkpoint_features
 
-    enable_checkpoint_features(trainer.model, trainer.args)  # checkpoint_policy, activation_offloading
+    enable_checkpoint_features(model, args)  # checkpoint_policy, activation_offloading
 
 
-__all__ = ["MemoryArguments", "enable_memory_features", "fused_loss_inputs"]
+__all__ = ["MemoryArguments", "enable_memory_features", "hidden_from_base_trainer", "loss_only_inputs"]

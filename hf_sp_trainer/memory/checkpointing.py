@@ -15,7 +15,6 @@ With ``activation_checkpointing`` every decoder layer runs through ``layer._grad
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any
 
 import torch
@@ -27,7 +26,6 @@ from ..attention.all_to_all import all_to_all_op
 from .offload import HostOffload
 
 logger = logging.get_logger(__name__)
-_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its wrapping pre-hook
 
 POLICIES = ("full", "sequence_aware")
 _ATEN_SAVED = (
@@ -87,6 +85,49 @@ class MemoryCheckpoint:
             return self.inner(function, *args, **kwargs)
 
 
+class MemoryCheckpointedLayer:
+    """Mixed in front of a decoder-layer class: whatever checkpoint function transformers assigns to the layer (when
+    checkpointing is switched on, in ``Trainer.train`` or by PEFT / TRL) is used through ``MemoryCheckpoint``."""
+
+    @property
+    def _gradient_checkpointing_func(self):
+        inner = self.__dict__.get("_sp_checkpoint_inner")
+        if inner is None:
+            raise AttributeError("_gradient_checkpointing_func")
+        context_fn, offload = self.__dict__["_sp_checkpoint_settings"]
+        return MemoryCheckpoint(inner, context_fn, offload)
+
+    @_gradient_checkpointing_func.setter
+    def _gradient_checkpointing_func(self, function) -> None:
+        self.__dict__["_sp_checkpoint_inner"] = function
+
+
+_LAYER_CLASSES: dict[type, type] = {}
+
+
+def _memory_class(cls: type) -> type:
+    if issubclass(cls, MemoryCheckpointedLayer):
+        return cls
+    if cls not in _LAYER_CLASSES:
+        swapped = type(cls.__name__, (MemoryCheckpointedLayer, cls), {"__module__": __name__})
+        globals()[f"_{cls.__name__}"] = swapped  # so that pickling a model finds the class by name
+        swapped.__qualname__ = f"_{cls.__name__}"
+        _LAYER_CLASSES[cls] = swapped
+    return _LAYER_CLASSES[cls]
+
+
+def wrap_checkpointed_layers(model: torch.nn.Module, context_fn=None, offload: HostOffload | None = None) -> int:
+    """Give every decoder layer of ``model`` these checkpoint settings (once); returns the number of layers."""
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        current = layer.__dict__.pop("_gradient_checkpointing_func", None)
+        layer.__class__ = _memory_class(type(layer))
+        layer.__dict__["_sp_checkpoint_settings"] = (context_fn, offload)
+        if current is not None and "_sp_checkpoint_inner" not in layer.__dict__:
+            layer._gradient_checkpointing_func = current
+    return len(layers)
+
+
 def _checkpointing_on(args) -> bool:
     """``activation_checkpointing`` (transformers >= 5.24), or its deprecated alias ``gradient_checkpointing``."""
     return bool(getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", False))
@@ -105,8 +146,8 @@ def checkpointed_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 def enable_checkpoint_features(model: torch.nn.Module, args) -> None:
     """Wrap the checkpoint function of ``model``'s checkpointed layers as ``args`` ask.
 
-    Transformers switches checkpointing on in ``Trainer.train`` (and PEFT / TRL may switch it on again), so the wrapping
-    is done by a forward pre-hook on ``model``, before every forward, for whichever layers are checkpointed then.
+    Transformers switches checkpointing on later (in ``Trainer.train``; PEFT / TRL may switch it on again), so the
+    decoder layers are given, once, a class whose checkpoint function is always wrapped (``MemoryCheckpointedLayer``).
     Raises a ``ValueError`` for an unknown policy, and for either feature without (non-reentrant, for the policy)
     activation checkpointing.
     """
@@ -143,25 +184,5 @@ def enable_checkpoint_features(model: torch.nn.Module, args) -> None:
                 "activation_offloading=True has no effect on CPU: the checkpointed activations already live in host "
                 "memory. Training proceeds without offloading."
             )
-    if model in _HOOKS:  # enabled before (e.g. a second trainer on the same model): the new settings replace it
-        _HOOKS.pop(model).remove()
     if selective or hooks is not None:
-        context_fn = sequence_aware_context_fn if selective else None
-
-        def before_forward(module, _args) -> None:
-            wrap_checkpointed_layers(module, context_fn, hooks)
-
-        _HOOKS[model] = model.register_forward_pre_hook(before_forward)
-
-
-def wrap_checkpointed_layers(model: torch.nn.Module, context_fn=None, offload: HostOffload | None = None) -> int:
-    """Give every checkpointed layer of ``model`` a ``MemoryCheckpoint`` with these settings; returns the count."""
-    layers = checkpointed_modules(model)
-    for layer in layers:
-        current = layer._gradient_checkpointing_func
-        if isinstance(current, MemoryCheckpoint):
-            if (current.context_fn, current.offload) == (context_fn, offload):
-                continue
-            current = current.inner
-        layer._gradient_checkpointing_func = MemoryCheckpoint(current, context_fn, offload)
-    return len(layers)
+        wrap_checkpointed_layers(model, sequence_aware_context_fn if selective else None, hooks)

@@ -1,17 +1,18 @@
 """Fused chunked LM head + cross-entropy: the loss of a causal LM without its full ``[seq, vocab]`` logits.
 
-``enable_fused_loss(model)`` patches the causal-LM instance (under PEFT: the base model) so that a forward called
-with ``sp_fused_loss=True`` runs the backbone, then the LM head and the cross-entropy over chunks of tokens. Each
+``enable_fused_loss(model)`` patches the causal-LM instance (under PEFT: the base model) so that a forward with labels
+that needs no logits runs the backbone, then the LM head and the cross-entropy over chunks of tokens. As in Liger's
+patched forwards, ``skip_logits`` says whether logits are needed: by default not in training mode with labels (a
+training step only uses the loss), and a loss-only evaluation passes ``skip_logits=True`` (``loss_only_inputs``). Each
 chunk is a non-reentrant checkpoint: its ``[chunk, vocab]`` logits are freed right after its loss is taken and
 recomputed in backward, one chunk at a time. Calling the LM-head *module* per chunk (not its weight) keeps a LoRA
 adapter on ``lm_head``, tied embeddings, FSDP2 and ZeRO-3 parameter gathering working as in the unfused forward.
 
 The loss is exactly the model's own: token losses summed over labels other than -100 and divided by
 ``num_items_in_batch`` (their count when not given), with Gemma's ``final_logit_softcapping``, pre-shifted
-``shift_labels`` honoured, and the logits upcast to fp32 before the cross-entropy, as ``ForCausalLMLoss`` does. The
-trainer (``fused_loss_inputs``) asks for it only when no logits are returned: training steps, and evaluation with
-``prediction_loss_only``. On CUDA with ``liger-kernel`` installed and a plain ``nn.Linear`` head, Liger's fused linear
-cross-entropy is used instead.
+``shift_labels`` honoured, and the logits upcast to fp32 before the cross-entropy, as ``ForCausalLMLoss`` does.
+On CUDA with ``liger-kernel`` installed and a plain ``nn.Linear`` head, Liger's fused linear cross-entropy is used
+instead.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -29,10 +31,11 @@ from torch.utils.checkpoint import checkpoint
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
+from ..sharding import IGNORE_INDEX
+
 logger = logging.get_logger(__name__)
 
-FUSED_KWARG = "sp_fused_loss"
-IGNORE_INDEX = -100
+SKIP_LOGITS = "skip_logits"
 # Config attributes of logit transforms the unfused forward applies and this loss does not (Cohere, Granite, ...).
 _UNSUPPORTED_SCALES = ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
 _logged: set[str] = set()
@@ -64,9 +67,10 @@ def check_fused_loss_model(model: nn.Module) -> None:
 
 
 def enable_fused_loss(model: nn.Module) -> None:
-    """Patch a causal LM (not its PEFT wrapper) so ``model(..., sp_fused_loss=True)`` returns the fused loss."""
+    """Patch a causal LM (not its PEFT wrapper) so that a forward with labels and ``skip_logits`` (default: in training
+    mode) returns the fused loss and no logits."""
     check_fused_loss_model(model)
-    if getattr(model, "_sp_fused_loss", False):
+    if has_fused_loss(model):
         return
     original_forward = model.forward
     softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
@@ -74,8 +78,9 @@ def enable_fused_loss(model: nn.Module) -> None:
     # keeps the signature (with ``self``) that the Trainer inspects for its columns
     @functools.wraps(getattr(original_forward, "__func__", type(model).forward))
     def forward(self, *args, **kwargs):
-        fused = kwargs.pop(FUSED_KWARG, False)
-        if not fused or (kwargs.get("labels") is None and kwargs.get("shift_labels") is None):
+        skip_logits = kwargs.pop(SKIP_LOGITS, None)
+        has_labels = kwargs.get("labels") is not None or kwargs.get("shift_labels") is not None
+        if not has_labels or not (self.training if skip_logits is None else skip_logits):
             return original_forward(*args, **kwargs)
         labels, shift_labels = kwargs.pop("labels", None), kwargs.pop("shift_labels", None)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
@@ -94,7 +99,22 @@ def enable_fused_loss(model: nn.Module) -> None:
         )
 
     model.forward = types.MethodType(forward, model)
-    model._sp_fused_loss = True
+    _FUSED.add(model)
+
+
+def has_fused_loss(model: nn.Module) -> bool:
+    """Whether ``model`` (or the causal LM under its PEFT wrapper) computes the fused loss."""
+    model = getattr(model, "module", model)  # DDP / DeepSpeed engine
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return model in _FUSED
+
+
+def loss_only_inputs(model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
+    """The inputs of a forward whose logits are not needed (a loss-only evaluation): the fused loss, if enabled."""
+    return {**inputs, SKIP_LOGITS: True} if has_fused_loss(model) else inputs
+
+
+_FUSED: weakref.WeakSet = weakref.WeakSet()
 
 
 def fused_linear_cross_entropy(
@@ -157,44 +177,18 @@ def _liger_sum(hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module, sof
     return out[0] if isinstance(out, tuple) else out
 
 
-def fused_loss_inputs(trainer: Any, model: nn.Module, inputs: dict[str, Any], return_outputs: bool) -> dict[str, Any]:
-    """The trainer's ``compute_loss`` inputs, asking for the fused loss when the caller needs no logits."""
-    if not getattr(trainer, "_sp_fused_loss", False):
-        return inputs
-    if return_outputs and not getattr(trainer, "_sp_prediction_loss_only", False):
-        return inputs
-    return {**inputs, FUSED_KWARG: True}
 
 
-def enable_trainer_fused_loss(trainer: Any) -> None:
-    """The ``fused_loss`` branch of ``enable_memory_features``."""
-    args = trainer.args
-    import trl
-
-    if isinstance(trainer, trl.SFTTrainer):
-        _check_sft(trainer)
-        return
-    if args.label_smoothing_factor or trainer.compute_loss_func is not None:
-        raise ValueError(
-            f"fused_loss=True computes the model's own cross-entropy without the full logits; "
-            f"label_smoothing_factor={args.label_smoothing_factor} and compute_loss_func="
-            f"{trainer.compute_loss_func!r} need the logits. Set fused_loss=False or remove them."
-        )
-    model = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
-    enable_fused_loss(model)
-    trainer._sp_fused_loss = True
+def log_fused_by_trainer(args) -> None:
+    """``fused_loss`` with a trainer whose loss is already fused (TRL's SFTTrainer): nothing to patch."""
+    loss_type = getattr(args, "loss_type", "nll")
+    logger.info(f"fused_loss=True: the trainer's '{loss_type}' loss already uses a fused LM head.")
 
 
-def _check_sft(trainer: Any) -> None:
-    """TRL's SFTTrainer already computes its nll/dft loss with a fused, chunked LM head: nothing to patch."""
-    args = trainer.args
-    if args.label_smoothing_factor or trainer.compute_loss_func is not None:
-        raise ValueError(
-            f"fused_loss=True with SFTConfig: TRL computes the loss from the full logits when "
-            f"label_smoothing_factor={args.label_smoothing_factor} or a compute_loss_func is given. Set "
-            "fused_loss=False or remove them."
-        )
-    logger.info(f"fused_loss=True: TRL's SFTTrainer already computes its '{args.loss_type}' loss with a fused LM head.")
-
-
-__all__ = ["FUSED_KWARG", "enable_fused_loss", "enable_trainer_fused_loss", "fused_linear_cross_entropy"]
+__all__ = [
+    "enable_fused_loss",
+    "fused_linear_cross_entropy",
+    "has_fused_loss",
+    "log_fused_by_trainer",
+    "loss_only_inputs",
+]

@@ -1,0 +1,58 @@
+"""The exact loss under sequence parallelism.
+
+Training: each rank sums the token losses of its shard (pre-shifted ``shift_labels``, so no token loses its target
+at a shard boundary) and divides by the token count of the whole optimizer step (``num_items_in_batch``, counted once
+per SP group by the mixin); DDP / FSDP / ZeRO then average over every rank, which the Trainer compensates as for any
+data-parallel run. Loss and gradients equal the single-device ones; a shard without labels contributes 0, not NaN.
+
+Evaluation: the batch's loss is the mean over its tokens, i.e. over the whole SP group, as on one device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from .sharding import IGNORE_INDEX
+
+
+def check_loss_options(trainer: Any) -> None:
+    """The one place that refuses loss options SP and the fused loss can't reproduce exactly (before any collective)."""
+    args = trainer.args
+    switches = (("sequence parallelism", args.sp_size > 1), ("fused_loss", getattr(args, "fused_loss", False)))
+    features = [name for name, on in switches if on]
+    if not features:
+        return
+    custom = []
+    if args.label_smoothing_factor:
+        custom.append(f"label_smoothing_factor={args.label_smoothing_factor}")
+    if trainer.compute_loss_func is not None:
+        custom.append(f"compute_loss_func={trainer.compute_loss_func!r}")
+    if custom:
+        raise ValueError(
+            f"{' and '.join(features)} computes the model's own cross-entropy exactly (from pre-shifted shift_labels "
+            f"and the step's token count, without full logits for fused_loss); {', '.join(custom)} is not supported "
+            "with it. Remove it, or set sp_size=1 and fused_loss=False."
+        )
+    if args.sp_size > 1 and not trainer.model_accepts_loss_kwargs:
+        raise ValueError(
+            f"sp_size={args.sp_size} needs a model whose forward takes the loss kwargs (shift_labels, "
+            f"num_items_in_batch); {type(trainer.model).__name__}'s does not."
+        )
+
+
+def sp_eval_loss(trainer: Any, compute_loss: Callable, model, inputs: dict, return_outputs: bool):
+    """An evaluation batch's loss under SP: the mean over the tokens of the whole SP group (``num_items_in_batch`` of
+    training mixes the batches of different DP ranks)."""
+    group = trainer.sp.topology.sp_group
+    count = (inputs["shift_labels"] != IGNORE_INDEX).sum()
+    dist.all_reduce(count, group=group)
+    result = compute_loss(model, inputs, return_outputs, num_items_in_batch=count.clamp(min=1))
+    loss, outputs = result if return_outputs else (result, None)
+    if trainer.args.average_tokens_across_devices:  # undo the DDP compensation: this loss is not backpropagated
+        loss = loss / (trainer.accelerator.num_processes // trainer.get_tp_size())
+    loss = loss.detach().clone()
+    dist.all_reduce(loss, group=group)
+    return (loss, outputs) if return_outputs else loss

@@ -1,0 +1,75 @@
+"""``apply_sequence_parallel``: sequence parallelism as one function applied to a plain model.
+
+The trainers, the benchmarks and the tests all go through it::
+
+    sp = apply_sequence_parallel(model, sp_size=4)           # attaches the attention, builds the groups
+    shard = sp.shard_batch(batch)                            # this rank's slice of a batch every SP rank holds
+    logits = sp.gather_sequence(model(**shard).logits)       # back to the whole sequence, original order
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+from transformers.utils import logging
+
+from .attention import UlyssesAttention, all_gather_along, validate_model_for_sp
+from .attention.ulysses import head_counts
+from .sharding import SequenceSharding
+from .topology import SPTopology, sp_topology
+
+logger = logging.get_logger(__name__)
+
+
+@dataclass
+class SequenceParallel:
+    """What batch preparation and evaluation need from an SP model: its groups, its sharding and its attention."""
+
+    model: PreTrainedModel
+    topology: SPTopology
+    sharding: SequenceSharding
+    attention: UlyssesAttention
+
+    def shard_batch(self, batch: dict[str, Any], pad_token_id: int = 0) -> dict[str, Any]:
+        """The full batch (the same on every rank of the SP group) -> this rank's shard, for ``model(**shard)``."""
+        return self.sharding.shard_batch(batch, self.topology.sp_rank, pad_token_id)
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-rank ``[b, s/P, ...]`` -> ``[b, s, ...]`` in the original token order (padded length; no autograd)."""
+        return self.sharding.unshard(all_gather_along(x, 1, self.topology.sp_group))
+
+    def remove(self) -> None:
+        """Detach SP from the model: its attention is the inner kernel again."""
+        self.attention.detach(self.model)
+
+
+def apply_sequence_parallel(
+    model: PreTrainedModel,
+    sp_size: int,
+    *,
+    ring_size: int | None = None,
+    attn_implementation: str | None = None,
+) -> SequenceParallel:
+    """Split every sequence of ``model``'s inputs over ``sp_size`` ranks (``ulysses x ring``).
+
+    ``ring_size`` defaults to the smallest ring that leaves a Ulysses degree dividing the query heads;
+    ``attn_implementation`` is the kernel run inside (default: the model's own). Collective: every rank of the default
+    process group calls it. Raises a ``ValueError`` on every rank, before any communication, for a model or split
+    that can't work.
+    """
+    kernel = attn_implementation or model.config._attn_implementation
+    ulysses, ring = validate_model_for_sp(model, sp_size, ring_size, kernel)
+    topology = sp_topology(sp_size, ring)
+    sharding = SequenceSharding(sp_size, ring)
+    attention = UlyssesAttention(topology, sharding, kernel)
+    attention.attach(model)
+    if topology.rank == 0:
+        heads, kv_heads = head_counts(model.config)
+        logger.info(
+            f"Sequence parallelism: sp_size={sp_size} = ulysses {ulysses} x ring {ring} for {heads} query / "
+            f"{kv_heads} kv heads, kernel {kernel!r}, {topology.dp_size} data-parallel group(s)."
+        )
+    return SequenceParallel(model=model, topology=topology, sharding=sharding, attention=attention)
