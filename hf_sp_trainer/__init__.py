@@ -23,6 +23,8 @@ _EXPORTS = {
     "SPSFTTrainer": "sft",
     "SPTrainer": "trainer",
     "SequenceParallelMixin": "trainer",
+    "ThroughputCallback": "throughput",
+    "add_throughput_callback": "throughput",
 }
 __all__ = [
     "SFTConfig",
@@ -32,9 +34,11 @@ __all__ = [
     "SequenceParallel",
     "SequenceParallelArguments",
     "SequenceParallelMixin",
+    "ThroughputCallback",
     "TrainingArguments",
     "ULYSSES_KEY",
     "UlyssesAttention",
+    "add_throughput_callback",
     "apply_sequence_parallel",
 ]
 
@@ -44,6 +48,7 @@ if TYPE_CHECKING:
     from .collators import SPDataCollator
     from .parallel import SequenceParallel, apply_sequence_parallel
     from .sft import SFTConfig, SPSFTTrainer
+    from .throughput import ThroughputCallback, add_throughput_callback
     from .trainer import SequenceParallelMixin, SPTrainer
 
 

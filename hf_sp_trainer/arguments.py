@@ -40,6 +40,14 @@ class SequenceParallelArguments:
         },
     )
 
+    sp_throughput_logging: bool = field(
+        default=True,
+        metadata={
+            "help": "With sp_size > 1, add tokens_per_second_per_rank, step_time_s, peak_memory_mb and (CUDA) mfu to "
+            "the training logs (hf_sp_trainer.throughput.ThroughputCallback). False: the logs are unchanged."
+        },
+    )
+
     @cached_property
     def _setup_devices(self):
         cpu_backend.bring_up(self)  # FSDP2 / DeepSpeed over gloo on a CPU-only machine; else nothing

@@ -25,6 +25,7 @@ from .distributed import cpu_backend
 from .loss import check_loss_options, sp_eval_loss
 from .memory import enable_memory_features, hidden_from_base_trainer, loss_only_inputs
 from .parallel import SequenceParallel, apply_sequence_parallel
+from .throughput import add_throughput_callback
 from .topology import release_groups
 
 
@@ -71,6 +72,8 @@ class SequenceParallelMixin:
                 attn_implementation=self.args.sp_attn_implementation,
             )
             self._sp_pad_id = pad_token_id(self.model, self.processing_class)
+            if self.args.sp_throughput_logging:
+                add_throughput_callback(self)  # after DefaultFlowCallback: report_to integrations see the figures
         enable_memory_features(self.model, self.args, lm_loss_fused=self.sp_fuses_lm_loss)
 
     # -- hooks for subclasses -------------------------------------------------------------------------------------

@@ -122,7 +122,7 @@ def measure(opts, model_name: str, sp: int, combo: str, length: int, out_dir: st
         output_dir=out_dir, sp_size=sp, max_steps=2, per_device_train_batch_size=1, optim="adamw_torch",
         learning_rate=1e-5, save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=10,
         use_cpu=not cuda, bf16=cuda, ddp_backend=("nccl" if cuda else "gloo") if sp > 1 else None,
-        dataloader_num_workers=0, remove_unused_columns=False, **features,
+        dataloader_num_workers=0, remove_unused_columns=False, sp_throughput_logging=False, **features,
     )  # fmt: skip
     generator = torch.Generator().manual_seed(length)
     rows = [_row(min(256 * sp, length), opts.doc_len, config.vocab_size, generator)]

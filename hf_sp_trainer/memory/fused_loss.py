@@ -91,9 +91,8 @@ def enable_fused_loss(model: nn.Module) -> None:
             shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         head = self.get_output_embeddings()
         loss = fused_linear_cross_entropy(hidden, shift_labels, head, num_items_in_batch, softcap)
-        return CausalLMOutputWithPast(
+        return CausalLMOutputWithPast(  # no cache: training and loss-only evaluation
             loss=loss,
-            past_key_values=getattr(outputs, "past_key_values", None),
             hidden_states=getattr(outputs, "hidden_states", None),
             attentions=getattr(outputs, "attentions", None),
         )
