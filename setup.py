@@ -14,7 +14,12 @@ setup(
         "trl>=1.16,<2",
         "peft>=0.17",
     ],
-    entry_points={"console_scripts": ["hf-sp-sft = hf_sp_trainer.cli.launch:main"]},
+    entry_points={
+        "console_scripts": [
+            "hf-sp-sft = hf_sp_trainer.cli.launch:main",
+            "hf-sp-plan = hf_sp_trainer.cli.plan:main",
+        ]
+    },
     package_data={"hf_sp_trainer.data": ["*.json"]},
     extras_require={
         "test": ["pytest>=8", "ruff"],

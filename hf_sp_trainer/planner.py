@@ -1,0 +1,311 @@
+"""Analytical per-GPU memory model of one SP training step, and the longest length that fits (``hf-sp-plan``).
+
+Per rank, with ``N`` GPUs, ``sp = ulysses x ring`` ranks per sequence and ``t = ceil(length / sp)`` local tokens:
+
+    peak = runtime + weights + optimizer states + DDP buckets + max(activation phase, gradient phase)
+    activation phase = saved activations of all layers + max(loss, LM-head gradient + one layer's working set)
+    gradient phase   = max(gradients but the first layer's and the embedding's + one layer's saved + working set,
+                           all gradients + optimizer-step temporaries)
+
+The activation phase is the start of backward (every layer's checkpoints, sequence-aware saved tensors or, without
+checkpointing, all activations are alive; gradients barely exist), the gradient phase the first layer's backward and
+the optimizer step. Weights are in the training dtype (ZeRO-3: sharded over all ``N`` ranks, SP ranks included), so
+are gradients (ZeRO-2/3: sharded); AdamW keeps an fp32 master copy and two fp32 moments under bf16 (12 B/param), two
+moments under fp32 (8 B/param) (ZeRO-1/2/3: sharded). LoRA (all-linear, ``lora_dropout=0``) trains the adapters only:
+the frozen base weights are replicated (ZeRO-3: sharded). Saved per decoder layer and local token: two RMSNorms (fp32
+input and normalised value, scaled output), q, k, v, the kernel output and ``o_proj``'s contiguous copy of it, and
+``MLP_SAVED`` intermediate-sized tensors (none with the tiled MLP, which keeps its input only). Attention tensors are
+per local token whatever the split (Ulysses: ``heads/ulysses`` heads of ``length/ring`` tokens), kv heads replicated
+up to ``lcm(kv_heads, ulysses)``; the kernel is memory-efficient (flash / SDPA: no ``s x s`` scores). Memory only:
+no step time. Everything else is one of the constants below.
+
+``device='cpu'`` predicts a ``scripts/bench_memory.py`` CPU run (fp32, process peak RSS), which is how the model is
+checked (``tests/test_planner.py``): the runtime is ``CPU_RUNTIME_MIB``, AdamW runs tensor by tensor, and DDP's
+buckets count as gradients arrive (DDP rebuilds them at the measured second step; untouched pages are not resident).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+from .topology import split_sp_size
+
+GIB, MIB = 2**30, 2**20
+# -- the model's constants ---------------------------------------------------------------------------------------------
+MLP_SAVED = 4  # gated MLP tensors autograd keeps: gate, up, act(gate), act(gate)*up (x intermediate)
+MLP_GRAD = 2  # MLP backward temporaries alive at once with them (x intermediate)
+LOGITS_COPIES = 3  # fp32 [tokens, vocab] at the cross-entropy backward: log-softmax output, its grad, the logits' grad
+A2A_COPIES = 2  # an all-to-all's stacked send buffer and its receive buffer (x the tensor sent)
+OFFLOAD_IN_FLIGHT = 2  # layers whose checkpoints are on the GPU with activation offloading (being copied either way)
+ZERO3_LIVE_LAYERS = 2  # ZeRO-3: gathered layers at a time (the current one and the prefetched one)
+CPU_RUNTIME_MIB = 485.0  # RSS of a bench_memory CPU worker before its measured step, less its model's weights and
+# AdamW states (Python, torch, transformers, the Trainer, gloo): 477-491 MiB in docs/benchmarks/*/memory.json base_mb
+CUDA_OVERHEAD_GIB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation: an assumption, not measured here
+MAX_LENGTH = 1 << 26  # the length search stops here
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory model needs of a decoder-only transformer config (Llama-style gated MLP)."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+
+    @classmethod
+    def from_config(cls, config, name: str = "") -> ModelShape:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        if not getattr(text, "intermediate_size", None):
+            raise ValueError(f"{name or type(text).__name__}: no intermediate_size (only dense decoder-only models).")
+        return cls(
+            name=name or getattr(text, "_name_or_path", "") or text.model_type, hidden=text.hidden_size,
+            intermediate=text.intermediate_size, layers=text.num_hidden_layers, heads=heads,
+            kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, vocab=text.vocab_size,
+            tied=bool(getattr(text, "tie_word_embeddings", False)),
+            qkv_bias=bool(getattr(text, "attention_bias", text.model_type == "qwen2")),
+        )  # fmt: skip
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        h, q, kv = self.hidden, self.q_dim, self.kv_heads * self.head_dim
+        return 2 * h * q + 2 * h * kv + 3 * h * self.intermediate + 2 * h + (q + 2 * kv) * self.qkv_bias
+
+    @property
+    def head_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.head_params * (1 if self.tied else 2) + self.hidden
+
+    def lora_params(self, r: int) -> int:
+        """Adapters on every linear layer of every decoder layer (PEFT ``all-linear``: not the LM head)."""
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_heads * self.head_dim, self.intermediate
+        return self.layers * r * (2 * (h + q) + 2 * (h + kv) + 3 * (h + i))
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One training configuration on ``gpus`` ranks. ``device='cpu'`` predicts a ``bench_memory.py`` CPU run."""
+
+    gpus: int
+    sp: int
+    ring: int | None = None
+    zero: int = 0
+    lora: bool = False
+    lora_r: int = 16
+    tiled_mlp: bool = False
+    fused_loss: bool = False
+    checkpointing: str = "full"  # none | full | sequence_aware
+    offload: bool = False
+    dtype: str = "bf16"
+    device: str = "cuda"
+
+    def validate(self) -> None:
+        if self.gpus < 1 or self.sp < 1 or self.gpus % self.sp:
+            raise ValueError(f"sp={self.sp} must divide the number of GPUs {self.gpus}.")
+        if self.zero not in (0, 1, 2, 3) or self.dtype not in ("bf16", "fp32") or self.device not in ("cuda", "cpu"):
+            raise ValueError(f"bad zero/dtype/device: {self.zero}, {self.dtype}, {self.device}")
+        if self.checkpointing not in ("none", "full", "sequence_aware"):
+            raise ValueError(f"checkpointing must be none, full or sequence_aware, not {self.checkpointing!r}")
+        if self.offload and self.checkpointing == "none":
+            raise ValueError("activation offloading moves the checkpoints: it needs checkpointing.")
+
+
+@dataclass
+class Breakdown:
+    """Per-rank bytes of each part of the model, the two phases and the peak (all in bytes)."""
+
+    length: int
+    local_tokens: int
+    ulysses: int
+    ring: int
+    runtime: float
+    weights: float
+    gradients: float
+    optimizer_states: float
+    comm_buffers: float
+    saved_activations: float
+    layer_working_set: float
+    loss: float
+    optimizer_step: float
+    activation_phase: float
+    gradient_phase: float
+    peak: float
+    host_offload: float = 0.0  # host memory of the offloaded checkpoints, per rank
+
+    @property
+    def peak_phase(self) -> str:
+        return "activations" if self.activation_phase >= self.gradient_phase else "gradients"
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"peak_phase": self.peak_phase}
+
+
+def _layer_activations(m: ModelShape, s: Setting, ulysses: int, ring: int, tokens: int) -> dict[str, float]:
+    """Bytes of one decoder layer for ``tokens`` local tokens: what it saves, what a checkpoint keeps, and what its
+    backward (with recomputation) needs at once."""
+    b = 2 if s.dtype == "bf16" else 4
+    h, q, i = m.hidden, m.q_dim, m.intermediate
+    kv = math.lcm(m.kv_heads, ulysses) * m.head_dim  # per local token, after replication for the all-to-all
+    norms = 2 * h * (8 + b)  # two RMSNorms: fp32 input and normalised value, scaled output
+    attn = (3 * q + 2 * kv) * b  # q, k, v, kernel output, o_proj's input
+    mlp = 0 if s.tiled_mlp else MLP_SAVED * i * b
+    full = (norms + attn + mlp) * tokens
+    stored = 0.0  # sequence_aware: kept from the forward instead of recomputed
+    if s.checkpointing == "sequence_aware":
+        stored = q * b * (ring + 1) / 2  # the kernel's output (each ring block's, ~ (ring + 1) / 2 per query)
+        stored += (2 * q + 2 * kv) * b if ulysses > 1 else 0  # the all-to-all results: q, k, v and the output
+        stored *= tokens
+    checkpoint = h * b * tokens
+    saved = {"none": full, "full": checkpoint, "sequence_aware": checkpoint + stored}[s.checkpointing]
+    recompute = 0.0 if s.checkpointing == "none" else full - stored
+    if s.tiled_mlp:  # one tile's MLP, recomputed in backward (tiled_mlp.py's default tiles)
+        tile = math.ceil(tokens / math.ceil(tokens / max(h, 1024))) if tokens else 0
+        mlp_ws = (MLP_SAVED + MLP_GRAD) * i * b * tile
+    else:
+        mlp_ws = MLP_GRAD * i * b * tokens
+    mlp_phase = recompute + mlp_ws + h * b * tokens  # + the incoming gradient
+    attn_recompute = 0.0 if s.checkpointing == "none" else (norms / 2 + attn) * tokens - stored
+    attn_grads = (2 * q + 2 * kv) * b * tokens  # dq, dk, dv and the output's gradient
+    comm = A2A_COPIES * q * b * tokens if ulysses > 1 else 0.0
+    if ring > 1:  # fp32 output/dq accumulator; K/V held, in flight, dK/dV accumulator (fp32) and its shift (fp32)
+        comm += (4 * q + 2 * kv * (2 * b + 2 * 4)) * tokens
+    attn_phase = attn_recompute + attn_grads + comm
+    return {"saved": saved, "checkpoint": checkpoint, "working_set": max(mlp_phase, attn_phase)}
+
+
+def estimate(m: ModelShape, s: Setting, length: int) -> Breakdown:
+    """Predicted per-rank memory of one training step on ``length``-token sequences (batch 1)."""
+    s.validate()
+    ulysses, ring = split_sp_size(s.sp, m.heads, s.ring)
+    tokens = math.ceil(length / s.sp)
+    cpu, b = s.device == "cpu", (2 if s.dtype == "bf16" else 4)
+    n = s.gpus
+    trainable = m.lora_params(s.lora_r) if s.lora else m.params
+    grad_shards, opt_shards = (n if s.zero >= 2 else 1), (n if s.zero >= 1 else 1)
+    weights = (m.params + (trainable if s.lora else 0)) * b / (n if s.zero == 3 else 1)
+    gradients = trainable * b / grad_shards
+    optimizer_states = trainable * (12 if b == 2 else 8) / opt_shards
+    buckets = trainable * b if (s.zero == 0 and n > 1) else 0.0  # DDP's flat gradient buckets
+    if cpu:  # single-tensor AdamW: sqrt and division temporaries of the largest tensor
+        largest = max(m.head_params, m.hidden * max(m.intermediate, m.q_dim)) if not s.lora else 0
+        optimizer_step = 2 * 4 * largest
+    else:  # multi-tensor AdamW / ZeRO: one fp32 copy of the local optimizer shard (upcast grads or sqrt(v))
+        optimizer_step = 4 * trainable / opt_shards
+
+    layer = _layer_activations(m, s, ulysses, ring, tokens)
+    per_layer_saved = layer["saved"]
+    saved = m.layers * per_layer_saved
+    host = 0.0
+    if s.offload and not cpu:  # checkpoints live on the host but for the layers being copied
+        host = max(0, m.layers - OFFLOAD_IN_FLIGHT) * layer["checkpoint"]
+        saved -= host
+    head_grad_full = 0.0 if s.lora else m.head_params * b  # made whole, then (ZeRO-2/3) reduce-scattered
+    head_grad = head_grad_full / grad_shards
+    if s.fused_loss:  # one chunk's logits (fused_loss.py's default chunks); the head's gradient is accumulated
+        chunk = math.ceil(tokens / math.ceil(m.vocab / m.hidden)) if tokens else 0
+        loss = chunk * m.vocab * 4 * LOGITS_COPIES + head_grad + head_grad_full
+    else:
+        logits = tokens * m.vocab * 4
+        loss = max(LOGITS_COPIES * logits, logits + head_grad_full) + (tokens * m.vocab * b if b != 4 else 0)
+    loss += m.hidden * (8 + b) * tokens  # the final norm's saved tensors, freed before the last layer's backward
+    working_set = layer["working_set"]
+    if s.zero == 3:  # gathered full weights: a layer and its prefetched successor, or the LM head
+        working_set += ZERO3_LIVE_LAYERS * m.layer_params * b
+        loss += m.head_params * b
+    # gradients present while the first layer runs backward: all but its own and the embedding's
+    early = 1 - (1 / m.layers if s.lora else (m.layer_params + (0 if m.tied else m.head_params)) / m.params)
+    lazy = buckets if cpu else 0.0  # on CPU the rebuilt buckets are touched (resident) as gradients arrive
+    activation_phase = saved + max(loss, head_grad + working_set) + (head_grad if lazy else 0.0)
+    gradient_phase = max((gradients + lazy) * early + per_layer_saved + working_set,
+                         gradients + lazy + optimizer_step)  # fmt: skip
+    runtime = CPU_RUNTIME_MIB * MIB if cpu else CUDA_OVERHEAD_GIB * GIB
+    static = runtime + weights + optimizer_states
+    peak = static + (0.0 if cpu else buckets) + max(activation_phase, gradient_phase)
+    if cpu:  # VmHWM is reset at the measured step's start, when the previous step's buckets are still resident
+        peak = max(peak, static + buckets)
+    return Breakdown(
+        length=length, local_tokens=tokens, ulysses=ulysses, ring=ring, runtime=runtime, weights=weights,
+        gradients=gradients, optimizer_states=optimizer_states, comm_buffers=buckets, saved_activations=saved,
+        layer_working_set=working_set, loss=loss, optimizer_step=optimizer_step, activation_phase=activation_phase,
+        gradient_phase=gradient_phase, peak=peak, host_offload=host,
+    )  # fmt: skip
+
+
+def granularity(m: ModelShape, s: Setting) -> int:
+    """Lengths are searched in multiples of this (1024 tokens, and what the sharding needs: 2 x sp with a ring)."""
+    _, ring = split_sp_size(s.sp, m.heads, s.ring)
+    return math.lcm(1024, s.sp * (2 if ring > 1 else 1))
+
+
+def longest_length(m: ModelShape, s: Setting, budget_bytes: float) -> int:
+    """The longest length (a multiple of ``granularity``) whose predicted peak fits ``budget_bytes``; 0: none fits,
+    ``MAX_LENGTH`` or more: at least that. The peak grows with the length, so this is a bisection."""
+    step = granularity(m, s)
+    if estimate(m, s, step).peak > budget_bytes:
+        return 0
+    lo, hi = 1, 2
+    while hi * step <= MAX_LENGTH and estimate(m, s, hi * step).peak <= budget_bytes:
+        lo, hi = hi, hi * 2
+    if hi * step > MAX_LENGTH:
+        return lo * step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if estimate(m, s, mid * step).peak <= budget_bytes else (lo, mid)
+    return lo * step
+
+
+# The memory-stack combinations of the planner's table (Setting fields), each row adding one feature; the last row is
+# everything with checkpoint_policy="sequence_aware" (which keeps the attention outputs and all-to-all results).
+STACKS: dict[str, dict] = {
+    "no checkpointing": {"checkpointing": "none"},
+    "checkpointing": {"checkpointing": "full"},
+    "+ fused loss": {"checkpointing": "full", "fused_loss": True},
+    "+ tiled MLP": {"checkpointing": "full", "fused_loss": True, "tiled_mlp": True},
+    "+ activation offload": {"checkpointing": "full", "fused_loss": True, "tiled_mlp": True, "offload": True},
+    "all, sequence_aware": {"checkpointing": "sequence_aware", "fused_loss": True, "tiled_mlp": True, "offload": True},
+}
+
+
+def sp_options(m: ModelShape, gpus: int, ring: int | None = None) -> list[tuple[int, int, int]]:
+    """``(sp, ulysses, ring)`` for every sp dividing ``gpus`` (``ring`` applied where it divides sp)."""
+    out = []
+    for sp in (d for d in range(1, gpus + 1) if gpus % d == 0):
+        try:
+            out.append((sp, *split_sp_size(sp, m.heads, ring if ring and sp % ring == 0 else None)))
+        except ValueError:
+            continue
+    return out
+
+
+def plan_table(m: ModelShape, base: Setting, budget_bytes: float, zeros: list[int]) -> list[dict]:
+    """The longest length for every sp dividing ``base.gpus`` x ZeRO stage in ``zeros`` x ``STACKS`` combination
+    (the rest of ``base`` kept: LoRA, dtype, device)."""
+    rows, stacks = [], dict(STACKS)
+    if base.device == "cpu":  # offloading is a no-op there
+        stacks = {k: {f: v for f, v in fields.items() if f != "offload"} for k, fields in stacks.items()}
+        stacks.pop("+ activation offload")
+    for zero in zeros:
+        for stack, fields in stacks.items():
+            row = {"zero": zero, "lora": base.lora, "stack": stack, "longest": {}}
+            for sp, ulysses, ring in sp_options(m, base.gpus, base.ring):
+                stack_fields = {"tiled_mlp": False, "fused_loss": False, "offload": False} | fields
+                setting = replace(base, sp=sp, ring=ring, zero=zero, **stack_fields)
+                row["longest"][f"{sp} ({ulysses}x{ring})"] = longest_length(m, setting, budget_bytes)
+            rows.append(row)
+    return rows

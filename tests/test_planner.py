@@ -1,0 +1,233 @@
+"""hf-sp-plan: the analytical memory model against scripts/bench_memory.py measurements, its arithmetic, and the CLI.
+
+The CPU comparison predicts the whole per-process peak (VmHWM) of a bench_memory step: the planner's ``device='cpu'``
+mode adds the Python/torch/Trainer runtime as one constant measured once (``planner.CPU_RUNTIME_MIB``). Each row is
+also checked without that constant: the step's own memory (peak minus the RSS at the step's start, ``base_mb``)
+against the predicted peak minus the predicted start (runtime + weights + AdamW states + DDP buckets).
+"""
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+import transformers
+
+from hf_sp_trainer import planner
+from hf_sp_trainer.cli.plan import load_shape, main
+from hf_sp_trainer.planner import MIB, ModelShape, Setting, estimate, longest_length
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "hf_sp_trainer", "data", "tiny_llama.json")
+MEASUREMENTS = ("docs/benchmarks/tiny_16k/memory.json", "docs/benchmarks/memory.json",
+                "docs/benchmarks/100m_search/memory.json")  # fmt: skip
+TOLERANCE = 0.15
+STEP_FLOOR_MB = 50  # the step's own memory is only compared where it is larger than allocator noise
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)  # fmt: skip
+QWEN2_SMALL = dict(  # a Qwen2: q/k/v projections with biases
+    hidden_size=256, intermediate_size=640, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2
+)
+
+
+def bench_memory():
+    scripts = os.path.join(ROOT, "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    import bench_memory
+
+    return bench_memory
+
+
+def shapes() -> dict[str, ModelShape]:
+    llama_100m = transformers.LlamaConfig(**bench_memory().LLAMA_100M)
+    return {"tiny": load_shape(TINY), "100m": ModelShape.from_config(llama_100m, "100m")}
+
+
+def bench_setting(row: dict) -> Setting:
+    """The planner's setting of a bench_memory row (its combo's TrainingArguments fields, fp32 on CPU)."""
+    fields = bench_memory().COMBOS[row["combo"]]
+    checkpointing = fields.get("checkpoint_policy", "full") if fields.get("gradient_checkpointing") else "none"
+    return Setting(gpus=row["sp"], sp=row["sp"], tiled_mlp=fields.get("tiled_mlp", False),
+                   fused_loss=fields.get("fused_loss", False), checkpointing=checkpointing,
+                   offload=fields.get("activation_offloading", False), dtype="fp32", device="cpu")  # fmt: skip
+
+
+def compare(shape: ModelShape, row: dict) -> dict:
+    """Predicted vs measured peak (MiB), and the step's own memory (peak minus the memory at the step's start)."""
+    e = estimate(shape, bench_setting(row), row["length"])
+    start = (e.runtime + e.weights + e.optimizer_states + e.comm_buffers) / MIB
+    out = {"predicted": e.peak / MIB, "measured": row["peak_mb"], "step_predicted": e.peak / MIB - start,
+           "step_measured": row["peak_mb"] - row["base_mb"]}  # fmt: skip
+    out["error"] = out["predicted"] / out["measured"] - 1
+    out["step_error"] = out["step_predicted"] / out["step_measured"] - 1
+    return out
+
+
+def stored_rows() -> list[dict]:
+    """Every measured (model, sp, combo, length) of the stored benchmark files, once per file."""
+    rows = {}
+    for rel in MEASUREMENTS:
+        with open(os.path.join(ROOT, rel)) as f:
+            data = json.load(f)
+        for row in data["rows"] + [m for s in data.get("searches", []) for m in s.get("measured", [])]:
+            rows[(rel, row["model"], row["sp"], row["combo"], row["length"])] = row | {"file": rel}
+    return list(rows.values())
+
+
+def test_stored_measurements_within_tolerance():
+    models, failures, lines = shapes(), [], []
+    rows = stored_rows()
+    assert len(rows) >= 90
+    for row in rows:
+        c = compare(models[row["model"]], row)
+        lines.append(f"{row['file']:<40} {row['model']:>5} sp{row['sp']} {row['combo']:>15} {row['length']:>6}: "
+                     f"measured {c['measured']:6.0f} predicted {c['predicted']:6.0f} MiB ({c['error']:+.1%}); step "
+                     f"{c['step_measured']:5.0f} vs {c['step_predicted']:5.0f} ({c['step_error']:+.1%})")  # fmt: skip
+        if abs(c["error"]) > TOLERANCE:
+            failures.append(lines[-1])
+        if c["step_measured"] >= STEP_FLOOR_MB and abs(c["step_error"]) > TOLERANCE:
+            failures.append("step memory: " + lines[-1])
+    print("\n".join(lines))
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.slow
+def test_fresh_measurement_within_tolerance(monkeypatch):
+    """One 2-process sp 2 bench_memory run of the tiny model at 8K tokens (plain and checkpointed), now."""
+    bm = bench_memory()
+    from _bench_common import MALLOC_ENV
+
+    for key, value in MALLOC_ENV.items():  # what set_malloc_env does, undone after the test
+        monkeypatch.setenv(key, value)
+    opts = argparse.Namespace(device="cpu", attn="sdpa", doc_len=0)
+    rows = bm.run_jobs(opts, "tiny", 2, [("plain", 8192), ("ckpt_full", 8192)])
+    tiny = load_shape(TINY)
+    for row in rows:
+        c = compare(tiny, row)
+        print(row["combo"], c)
+        assert abs(c["error"]) <= TOLERANCE, (row, c)
+        assert abs(c["step_error"]) <= TOLERANCE, (row, c)
+    assert rows[1]["peak_mb"] < rows[0]["peak_mb"]  # checkpointing saves memory
+
+
+def _meta_params(config) -> int:
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        transformers.LlamaConfig(**LLAMA_8B),
+        transformers.Qwen2Config(**QWEN2_SMALL),
+        transformers.AutoConfig.from_pretrained(TINY),
+    ],
+    ids=["llama-8b", "qwen2-bias", "tiny-tied"],
+)
+def test_parameter_count_matches_the_model(config):
+    assert ModelShape.from_config(config).params == _meta_params(config)
+
+
+def test_lora_parameter_count_matches_peft():
+    import peft
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(TINY))
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules="all-linear", lora_dropout=0.0))
+    assert load_shape(TINY).lora_params(8) == lora.get_nb_trainable_parameters()[0]
+
+
+def test_breakdown_by_hand():
+    """Weights, gradients and AdamW states (mixed precision 2 + 2 + 12 bytes, ZeRO sharding over all ranks, LoRA) and
+    the saved activations of the tiny model without checkpointing."""
+    m = ModelShape.from_config(transformers.LlamaConfig(**LLAMA_8B))
+    p, n = m.params, 8
+    base = Setting(gpus=n, sp=8)
+    for zero, (w, g, o) in {0: (p * 2, p * 2, p * 12), 1: (p * 2, p * 2, p * 12 / n), 2: (p * 2, p * 2 / n, p * 12 / n),
+                            3: (p * 2 / n, p * 2 / n, p * 12 / n)}.items():  # fmt: skip
+        e = estimate(m, replace(base, zero=zero), 65536)
+        assert (e.weights, e.gradients, e.optimizer_states) == pytest.approx((w, g, o))
+        assert e.comm_buffers == (p * 2 if zero == 0 else 0)
+    e = estimate(m, replace(base, lora=True, lora_r=16), 65536)
+    assert e.weights == (p + m.lora_params(16)) * 2 and e.gradients == m.lora_params(16) * 2
+    assert e.optimizer_states == m.lora_params(16) * 12
+
+    tiny = load_shape(TINY)  # hidden 64, intermediate 256, 2 layers, vocab 128, kv = heads, fp32
+    e = estimate(tiny, Setting(gpus=1, sp=1, checkpointing="none", dtype="fp32", device="cpu"), 1024)
+    per_token_layer = 2 * 64 * 12 + (3 * 64 + 2 * 64) * 4 + 4 * 256 * 4  # norms, q k v out o_in, MLP
+    assert e.saved_activations == 2 * per_token_layer * 1024
+    assert e.weights == tiny.params * 4 and e.optimizer_states == tiny.params * 8
+
+
+def test_longest_length_is_the_boundary():
+    m = ModelShape.from_config(transformers.LlamaConfig(**LLAMA_8B))
+    budget = 80 * planner.GIB
+    for setting in (Setting(gpus=8, sp=8, zero=3), Setting(gpus=8, sp=4, lora=True, fused_loss=True),
+                    Setting(gpus=8, sp=8, ring=2, zero=3, tiled_mlp=True, checkpointing="sequence_aware")):  # fmt: skip
+        longest, step = longest_length(m, setting, budget), planner.granularity(m, setting)
+        assert longest > 0 and longest % step == 0
+        assert estimate(m, setting, longest).peak <= budget < estimate(m, setting, longest + step).peak
+    assert longest_length(m, Setting(gpus=8, sp=8, zero=0), budget) == 0  # 16 bytes/param of 8B: never fits
+
+
+def test_memory_stack_and_sharding_only_lengthen():
+    m = ModelShape.from_config(transformers.LlamaConfig(**LLAMA_8B))
+    budget = 80 * planner.GIB
+    for lora, zero in ((True, 0), (False, 3)):
+        base = Setting(gpus=8, sp=8, lora=lora, zero=zero)
+        stacks = [longest_length(m, replace(base, **fields), budget) for fields in list(planner.STACKS.values())[:5]]
+        assert stacks == sorted(stacks) and stacks[0] > 0, stacks
+        # pure Ulysses: half the tokens per rank at twice the sp, about twice the length
+        sp4 = longest_length(m, replace(base, sp=4), budget)
+        assert 1.8 < stacks[1] / sp4 <= 2.05
+    zeros = [longest_length(m, Setting(gpus=8, sp=8, zero=z, fused_loss=True), budget) for z in (1, 2, 3)]
+    assert zeros == sorted(zeros)
+
+
+def _run_cli(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(list(argv))
+    return code, out.getvalue()
+
+
+def test_cli_json_on_the_shipped_config():
+    code, out = _run_cli("--model", TINY, "--gpus", "2", "--gpu-memory-gib", "1", "--device", "cpu", "--dtype",
+                         "fp32", "--table-zero", "0", "--json")  # fmt: skip
+    assert code == 0
+    data = json.loads(out)
+    assert data["model"]["params"] == load_shape(TINY).params and data["model"]["hidden"] == 64
+    assert data["prediction"]["length"] == data["longest_length"] > 0
+    assert data["prediction"]["peak"] <= planner.GIB
+    assert [row["stack"] for row in data["table"]] == [s for s in planner.STACKS if s != "+ activation offload"]
+    assert list(data["table"][0]["longest"]) == ["1 (1x1)", "2 (2x1)"]
+    assert data["constants"]["CPU_RUNTIME_MIB"] == planner.CPU_RUNTIME_MIB
+
+
+def test_cli_text_on_a_local_config_json(tmp_path):
+    config = dict(LLAMA_8B, model_type="qwen2", num_attention_heads=28, hidden_size=3584, num_key_value_heads=4)
+    path = tmp_path / "qwen-like" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(config))
+    code, out = _run_cli("--model", str(path), "--gpus", "8", "--gpu-memory-gib", "80", "--zero", "3", "--lora",
+                         "--fused-loss", "--tiled-mlp", "--length", "131072", "--table-zero", "3")  # fmt: skip
+    assert code == 0
+    assert out.startswith("qwen-like: ")
+    assert "(a) predicted per-GPU peak at 131,072 tokens (16,384 per rank)" in out
+    assert "sp 8 (ulysses 4 x ring 2)" in out  # 28 heads: SPTrainer's split
+    assert "(b) longest trainable length" in out and "sp 8 (4x2)" in out
+    for part in ("weights", "optimizer states", "gradients", "saved activations", "one layer's working set",
+                 "logits / loss"):  # fmt: skip
+        assert part in out
+
+
+def test_cli_refuses_an_impossible_split(capsys):
+    assert main(["--model", TINY, "--gpus", "8", "--sp", "3", "--gpu-memory-gib", "80"]) == 2
+    assert "sp=3 must divide" in capsys.readouterr().err
+    assert main(["--model", TINY, "--gpus", "8", "--sp", "8", "--ring", "3", "--gpu-memory-gib", "80"]) == 2
