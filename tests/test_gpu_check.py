@@ -1,0 +1,79 @@
+"""``scripts/gpu_check.py --dry-run`` runs on CPU and writes the JSON the GPU run will fill in."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "gpu_check.py"
+CHECKS = ["a_kernels", "b_fused_loss", "c_offload", "d_long_context"]
+
+
+def _run(out: Path, *flags: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _ok(report: dict, name: str) -> dict:
+    rec = report["checks"][name]
+    assert rec["status"] == "ok", (name, rec.get("error"), rec.get("traceback"), rec.get("log_tail"))
+    assert rec["seconds"] >= 0
+    return rec["result"]
+
+
+def test_dry_run_report(tmp_path):
+    report = _run(tmp_path / "check.json")
+    assert report["dry_run"] is True and report["isolated"] is False
+    assert report["environment"]["device"] == "cpu" and "torch" in report["environment"]
+    assert list(report["checks"]) == CHECKS and report["elapsed_s"] > 0
+
+    kernels = _ok(report, "a_kernels")
+    assert 1 in kernels["docs"] and kernels["kv_heads"] < kernels["heads"]  # 1-token documents, GQA
+    for dtype in ("float32", "bfloat16"):
+        results = kernels[dtype]
+        for name in ("per_doc_sdpa", "block_sdpa_causal", "block_sdpa_full"):  # what runs on CPU
+            assert results[name]["within_tol"], (dtype, name, results[name])
+            assert {"out", "dq", "dk", "dv"} <= results[name].keys()
+        assert "lse" in results["block_sdpa_causal"]
+        for name in ("torch_varlen", "block_varlen_causal", "block_varlen_full"):
+            assert "skipped" in results[name]  # CUDA only
+
+    loss = _ok(report, "b_fused_loss")
+    assert loss["liger"].startswith("skipped")
+    cases = [v for k, v in loss.items() if "_softcap_" in k]
+    assert len(cases) == 4 and all(case["chunked"]["within_tol"] for case in cases)
+    assert all({"loss", "dx", "dweight", "peak_mb"} <= case["chunked"].keys() for case in cases)
+
+    offload = _ok(report, "c_offload")
+    assert offload["within_tol"] and offload["offloaded_tensors"] > 0
+    assert set(offload["peak_mb"]) == {"off", "on", "on_again"}
+
+    long = _ok(report, "d_long_context")
+    measured = [r for r in long["runs"] if "peak_mb" in r]
+    assert {(r["layers"], r["tokens"]) for r in measured} == {(2, 256), (2, 512), (4, 256), (4, 512)}
+    assert all(r["step_s"] > 0 and r["tokens_per_s"] > 0 for r in measured)
+    assert set(long["per_layer_slope_mb"]) == {"256", "512"}
+    extrapolation = long["extrapolation"]
+    assert "model" in extrapolation and extrapolation["capacity_mb"] > 0
+    assert extrapolation["longest_tokens_32_layers"] is None or extrapolation["longest_tokens_32_layers"] >= 0
+
+
+def test_out_of_budget_checks_are_skipped(tmp_path):
+    report = _run(tmp_path / "check.json", "--budget-s", "1")
+    assert list(report["checks"]) == CHECKS
+    assert all(rec["status"] == "skipped" and "budget" in rec["note"] for rec in report["checks"].values())
+
+
+@pytest.mark.slow  # a second process for the check, as on a GPU
+def test_isolated_check(tmp_path):
+    report = _run(tmp_path / "check.json", "--isolate", "--checks", "c_offload")
+    assert report["isolated"] is True and list(report["checks"]) == ["c_offload"]
+    assert _ok(report, "c_offload")["within_tol"]
