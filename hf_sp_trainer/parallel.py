@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging
 
 from .attention import UlyssesAttention, all_gather_along, validate_model_for_sp
-from .attention.ulysses import head_counts
+from .attention.ulysses import VARLEN_KEY, head_counts
 from .sharding import SequenceSharding
 from .topology import SPTopology, sp_topology
 
@@ -46,6 +47,26 @@ class SequenceParallel:
         self.attention.detach(self.model)
 
 
+def compile_decoder_layers(model: torch.nn.Module, backend: str = "inductor", mode: str | None = None) -> int:
+    """``torch.compile`` every decoder layer in place (regional compilation), with dynamic shapes.
+
+    The SP attention inside is one dispatcher op per call (the all-to-alls and the block kernels), so a layer
+    compiles without graph breaks, and the document layout reaches it as a tensor argument: one graph serves every
+    layer and every sequence length. What runs once per forward (gathering ``position_ids``, planning the
+    documents) stays outside, in the decoder's pre-hook. Returns the number of layers compiled.
+    """
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer.compile(backend=backend, mode=mode, dynamic=True)
+    return len(layers)
+
+
+def default_kernel(model: PreTrainedModel) -> str:
+    """The model's own attention, except sdpa on CUDA: torch's varlen kernel, one call per layer for all documents."""
+    kernel = model.config._attn_implementation
+    return VARLEN_KEY if kernel == "sdpa" and torch.cuda.is_available() else kernel
+
+
 def apply_sequence_parallel(
     model: PreTrainedModel,
     sp_size: int,
@@ -60,7 +81,7 @@ def apply_sequence_parallel(
     process group calls it. Raises a ``ValueError`` on every rank, before any communication, for a model or split
     that can't work.
     """
-    kernel = attn_implementation or model.config._attn_implementation
+    kernel = attn_implementation or default_kernel(model)
     ulysses, ring = validate_model_for_sp(model, sp_size, ring_size, kernel)
     topology = sp_topology(sp_size, ring)
     sharding = SequenceSharding(sp_size, ring)

@@ -24,7 +24,7 @@ from .collators import SPDataCollator
 from .distributed import cpu_backend
 from .loss import check_loss_options, sp_eval_loss
 from .memory import enable_memory_features, hidden_from_base_trainer, loss_only_inputs
-from .parallel import SequenceParallel, apply_sequence_parallel
+from .parallel import SequenceParallel, apply_sequence_parallel, compile_decoder_layers
 from .throughput import add_throughput_callback
 from .topology import release_groups
 
@@ -72,6 +72,8 @@ class SequenceParallelMixin:
                 attn_implementation=self.args.sp_attn_implementation,
             )
             self._sp_pad_id = pad_token_id(self.model, self.processing_class)
+            if self.args.torch_compile:  # the decoder layers, not the whole model (see create_accelerator_...)
+                compile_decoder_layers(self.model, self.args.torch_compile_backend, self.args.torch_compile_mode)
             if self.args.sp_throughput_logging:
                 add_throughput_callback(self)  # after DefaultFlowCallback: report_to integrations see the figures
         enable_memory_features(self.model, self.args, lm_loss_fused=self.sp_fuses_lm_loss)
@@ -90,6 +92,11 @@ class SequenceParallelMixin:
     def create_accelerator_and_postprocess(self):
         with cpu_backend.accelerator_setup(self):  # FSDP2 / DeepSpeed over gloo on CPU-only machines
             super().create_accelerator_and_postprocess()
+        if getattr(self.args, "sp_size", 1) > 1 and self.args.torch_compile:
+            from accelerate.utils import DynamoBackend
+
+            # SP compiles the decoder layers itself: the per-forward document layout stays outside the graph
+            self.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
 
     # -- data -----------------------------------------------------------------------------------------------------
     def _sp_shard_over_dp(self, dataloader):

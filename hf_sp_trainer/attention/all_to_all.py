@@ -11,48 +11,64 @@ from torch._C._distributed_c10d import _resolve_process_group
 
 
 def _all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Chunk j of ``scatter_dim`` goes to rank j; what rank j sends lands as the j-th piece of ``gather_dim``.
+
+    One copy into the send buffer, laid out in ``x``'s own memory order (chunk index first), and the result a view of
+    the receive buffer whenever the strides allow: for q, k, v (``[1, h, s/P, d]`` views of transformers'
+    ``[1, s/P, h, d]`` projections) the received ``[1, h/P, s, d]`` is such a view, so nothing is stacked,
+    concatenated or made contiguous around the communication.
+    """
     world = dist.get_world_size(group)
     if world == 1:
         return x
-    send = torch.stack(x.chunk(world, dim=scatter_dim))  # [world, ...]: chunk j goes to rank j
+    send, order = _send_buffer(x, scatter_dim, world)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
-    return torch.cat(recv.unbind(0), dim=gather_dim)  # chunk j came from rank j
+    return _received(recv, order, gather_dim)
+
+
+def _send_buffer(x: torch.Tensor, scatter_dim: int, world: int) -> tuple[torch.Tensor, list[int]]:
+    chunks = x.unflatten(scatter_dim, (world, -1)).movedim(scatter_dim, 0)  # [P, ...]: chunk j goes to rank j
+    order = sorted(range(1, chunks.ndim), key=lambda i: -chunks.stride(i))  # x's memory order
+    return chunks.permute(0, *order).contiguous(), order
+
+
+def _received(recv: torch.Tensor, order: list[int], gather_dim: int) -> torch.Tensor:
+    received = recv.permute(0, *(1 + order.index(i) for i in range(1, recv.ndim)))  # back to [P, ...] (a view)
+    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)  # chunk j came from rank j
 
 
 @torch.library.custom_op("hf_sp_trainer::all_to_all", mutates_args=())
 def all_to_all_op(x: torch.Tensor, scatter_dim: int, gather_dim: int, group_name: str) -> torch.Tensor:
-    """The forward all-to-all as one dispatcher op: selective activation checkpointing can then save its result
-    (``hf_sp_trainer.memory.checkpointing``) instead of communicating again when a layer is recomputed."""
+    """The all-to-all as one dispatcher op, opaque to ``torch.compile`` (no graph break inside a decoder layer) and
+    saveable by selective activation checkpointing (``hf_sp_trainer.memory.checkpointing``), so that recomputing a
+    layer need not communicate again. Its gradient is the inverse all-to-all, the same op with the dims swapped."""
     return _all_to_all(x, scatter_dim, gather_dim, _resolve_process_group(group_name))
 
 
 @all_to_all_op.register_fake
 def _(x, scatter_dim, gather_dim, group_name):
-    shape = list(x.shape)
-    world = _resolve_process_group(group_name).size()
-    shape[scatter_dim], shape[gather_dim] = shape[scatter_dim] // world, shape[gather_dim] * world
-    return x.new_empty(shape)
+    send, order = _send_buffer(x, scatter_dim, _resolve_process_group(group_name).size())
+    return _received(torch.empty_like(send), order, gather_dim)  # the real op's shape and strides
 
 
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scatter_dim, gather_dim, group):  # type: ignore[override]
-        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
-        if dist.get_world_size(group) == 1:
-            return x
-        return all_to_all_op(x, scatter_dim, gather_dim, group.group_name)
+def _setup_context(ctx, inputs, output) -> None:
+    _, ctx.scatter_dim, ctx.gather_dim, ctx.group_name = inputs
 
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        scatter_dim, gather_dim = ctx.dims
-        return _all_to_all(grad.contiguous(), gather_dim, scatter_dim, ctx.group), None, None, None
+
+def _backward(ctx, grad):
+    return all_to_all_op(grad, ctx.gather_dim, ctx.scatter_dim, ctx.group_name), None, None, None
+
+
+all_to_all_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """Split ``x`` into P chunks along ``scatter_dim``, send chunk j to rank j, concatenate what arrives along
     ``gather_dim``. Differentiable: the backward is the inverse all-to-all."""
-    return _AllToAll.apply(x, scatter_dim, gather_dim, group)
+    if dist.get_world_size(group) == 1:
+        return x
+    return all_to_all_op(x, scatter_dim, gather_dim, group.group_name)
 
 
 def all_gather_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:

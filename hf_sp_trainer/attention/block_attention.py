@@ -44,6 +44,8 @@ def check_kernel(kernel: str, device: torch.device | str, softcap: float | None 
 
 
 def _path(kernel: str, q: torch.Tensor, softcap: float | None) -> str:
+    if kernel == "varlen" and q.dtype not in (torch.float16, torch.bfloat16):
+        return "math"  # flash kernels take half precision only; fp32 runs the exact math path
     if kernel in _FLASH_MODULES or kernel == "varlen":
         return kernel
     if softcap or (kernel == "eager" and q.device.type != "cuda"):
@@ -235,6 +237,11 @@ def _varlen_backward(path, dout, q, k, v, out, lse, geometry, scale, softcap, ca
 
 
 # -- one sub-block ------------------------------------------------------------------------------------------------
+def _joined(parts: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The rectangles' results along the query rows (no copy for a single one)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
+
+
 def block_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -261,7 +268,7 @@ def block_forward(
             out, lse = _math_forward(*args, softcap, mask) if path == "math" else _fused_forward(*args, causal, mask)
             outs.append(out)
             lses.append(lse.to(acc_dtype(q.dtype)))
-        return torch.cat(outs, 2), torch.cat(lses, 2)
+        return _joined(outs), _joined(lses)
     geometry = _varlen_geometry(kind, b, nq, k.shape[2], offset, docs, window, q.device)
     out, lse = _varlen_forward(path, _packed(q), _packed(k), _packed(v), geometry, scale, softcap, kind == "causal")
     lse = _heads_first(lse, hq, b * nq).reshape(hq, b, nq).transpose(0, 1)
@@ -299,7 +306,7 @@ def block_backward(
                 grads.append(_math_backward(*rows, scale, softcap, mask))
             else:
                 grads.append(_fused_backward(*rows, scale, causal, mask))
-        return tuple(torch.cat(parts, 2) for parts in zip(*grads, strict=True))  # type: ignore[return-value]
+        return tuple(_joined(parts) for parts in zip(*grads, strict=True))  # type: ignore[return-value]
     geometry = _varlen_geometry(kind, b, nq, k.shape[2], offset, docs, window, q.device)
     lse = lse.float().transpose(0, 1).reshape(hq, b * nq).contiguous()
     packed = (_packed(x) for x in (dout, q, k, v, out))

@@ -10,8 +10,11 @@ the last shift. Each rank keeps only its own q, k, v, output and LSE: memory O(S
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import _resolve_process_group
 
 from .block_attention import acc_dtype, block_backward, block_forward, check_kernel
 from .ring_comm import GRAD_TAG, KV_TAG, ring_shift
@@ -22,12 +25,24 @@ def _ring(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return (0, 1) if group is None else (dist.get_rank(group), dist.get_world_size(group))
 
 
-def make_plan(
-    segments: list[list[tuple[int, int]]], portion_len: int, group: dist.ProcessGroup | None, window: int | None
-) -> RingPlan:
-    """The block plan of this ring rank for a portion of ``portion_len`` tokens (reusable by every layer)."""
-    rank, size = _ring(group)
-    return plan_ring(segments, portion_len * size, size, rank, window)
+def document_bounds(segments: list[list[tuple[int, int]]], seq_len: int) -> torch.Tensor:
+    """The documents of every row as one int64 tensor of boundaries, rows laid end to end (``[0, ..., b * S]``)."""
+    starts = [r * seq_len + start for r, row in enumerate(segments) for start, _ in row]
+    return torch.tensor([*starts, len(segments) * seq_len], dtype=torch.int64)
+
+
+def _segments(bounds: list[int], rows: int) -> list[list[tuple[int, int]]]:
+    seq_len = bounds[-1] // rows
+    out: list[list[tuple[int, int]]] = [[] for _ in range(rows)]
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        out[start // seq_len].append((start % seq_len, end - (start // seq_len) * seq_len))
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_plan(bounds: tuple[int, ...], rows: int, ring_size: int, rank: int, window: int | None) -> RingPlan:
+    """One plan per (layout, rank, window): planned by the first layer of a forward, reused by the others."""
+    return plan_ring(_segments(list(bounds), rows), bounds[-1] // rows, ring_size, rank, window)
 
 
 def merge_block(
@@ -38,7 +53,7 @@ def merge_block(
     new = torch.logaddexp(lse, block_lse)
     ref = new.masked_fill(new == float("-inf"), 0.0)  # exp(-inf - 0) = 0 instead of exp(-inf + inf) = nan
     block_weight = torch.exp(block_lse - ref).unsqueeze(-1)
-    out.mul_(torch.exp(lse - ref).unsqueeze(-1)).add_(block_out.to(out.dtype) * block_weight)
+    out.mul_(torch.exp(lse - ref).unsqueeze(-1)).addcmul_(block_out.to(out.dtype), block_weight)
     lse.copy_(new)
     return out, lse
 
@@ -56,60 +71,134 @@ def _sl(task: BlockTask, which: str) -> tuple[slice, slice, slice]:
     return slice(*task.rows), slice(None), slice(lo, hi)
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, plan, group, scale, softcap, kernel):  # type: ignore[override]
-        size = plan.ring_size
-        out = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=out.dtype, device=q.device)
-        kv = torch.stack([k, v])  # one message per step; K/V keep their hkv heads (GQA is not expanded)
-        for t in range(size):
-            pending = ring_shift(kv, group, KV_TAG) if t + 1 < size else None  # overlap: next block in flight
-            for task in plan.steps[t]:
-                qs, ks = _sl(task, "q"), _sl(task, "k")
-                o, s = block_forward(q[qs], kv[0][ks], kv[1][ks], **_task_args(task, plan, scale, softcap, kernel))
-                merge_block(out[qs], lse[qs], o, s)
-            if pending is not None:
-                kv = pending.wait()
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan, ctx.group, ctx.scale, ctx.softcap, ctx.kernel = plan, group, scale, softcap, kernel
-        return out
+def _group(group_name: str) -> dist.ProcessGroup | None:
+    return _resolve_process_group(group_name) if group_name else None
 
-    @staticmethod
-    def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        plan, group = ctx.plan, ctx.group
-        size, dt = plan.ring_size, acc_dtype(q.dtype)
-        dout = dout.to(q.dtype)
-        dq = torch.zeros(q.shape, dtype=dt, device=q.device)
-        kv, grads_in = torch.stack([k, v]), None
-        for t in range(size):
-            pending = ring_shift(kv, group, KV_TAG) if t + 1 < size else None
-            dkv = torch.zeros(kv.shape, dtype=dt, device=q.device)  # this step's dK/dV of the held block
-            for task in plan.steps[t]:
-                qs, ks = _sl(task, "q"), _sl(task, "k")
-                args = _task_args(task, plan, ctx.scale, ctx.softcap, ctx.kernel)
-                gq, gk, gv = block_backward(dout[qs], q[qs], kv[0][ks], kv[1][ks], out[qs], lse[qs], **args)
-                dq[qs] += gq
-                dkv[0][ks] += gk
-                dkv[1][ks] += gv
-            if grads_in is not None:
-                dkv += grads_in.wait()  # what the previous ranks accumulated for the same block
-            if size > 1:  # after the last step this shift brings every block's gradient home
-                grads_in = ring_shift(dkv, group, GRAD_TAG)
-            if pending is not None:
-                kv = pending.wait()
+
+def _plan(bounds: torch.Tensor, q: torch.Tensor, group: dist.ProcessGroup | None, window: int) -> RingPlan:
+    rank, size = _ring(group)
+    return _cached_plan(tuple(bounds.tolist()), q.shape[0], size, rank, window or None)
+
+
+def _whole_block(plan: RingPlan, q: torch.Tensor) -> BlockTask | None:
+    """The plan's only task when it covers every row and query of a ring of one (Ulysses without a ring)."""
+    if plan.ring_size != 1 or len(plan.steps[0]) != 1:
+        return None
+    task = plan.steps[0][0]
+    return task if task.rows == (0, q.shape[0]) and task.q == (0, q.shape[2]) else None
+
+
+@torch.library.custom_op("hf_sp_trainer::ring_attention", mutates_args=())
+def ring_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bounds: torch.Tensor,
+    group_name: str,
+    scale: float,
+    window: int,
+    softcap: float,
+    kernel: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward: ``(out [b, hq, n, d], lse [b, hq, n])``. One dispatcher op, opaque to ``torch.compile``; ``window``
+    and ``softcap`` are 0 when absent, ``group_name`` is empty for a ring of one."""
+    group = _group(group_name)
+    plan = _plan(bounds, q, group, window)
+    whole = _whole_block(plan, q)
+    if whole is not None:  # a ring of one, one task for all rows and documents: nothing to merge
+        out, lse = block_forward(q, k, v, **_task_args(whole, plan, scale, softcap or None, kernel))
+        return out.to(q.dtype).contiguous(), lse.to(acc_dtype(q.dtype)).contiguous()  # the fake's layout
+    out = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=out.dtype, device=q.device)
+    kv = torch.stack([k, v])  # one message per step; K/V keep their hkv heads (GQA is not expanded)
+    for t in range(plan.ring_size):
+        pending = ring_shift(kv, group, KV_TAG) if t + 1 < plan.ring_size else None  # overlap: next block in flight
+        for task in plan.steps[t]:
+            qs, ks = _sl(task, "q"), _sl(task, "k")
+            o, s = block_forward(q[qs], kv[0][ks], kv[1][ks], **_task_args(task, plan, scale, softcap or None, kernel))
+            merge_block(out[qs], lse[qs], o, s)
+        if pending is not None:
+            kv = pending.wait()
+    return out.to(q.dtype), lse
+
+
+@ring_attention_op.register_fake
+def _(q, k, v, bounds, group_name, scale, window, softcap, kernel):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))  # contiguous, as the real op
+
+
+@torch.library.custom_op("hf_sp_trainer::ring_attention_backward", mutates_args=())
+def ring_attention_backward_op(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    bounds: torch.Tensor,
+    group_name: str,
+    scale: float,
+    window: int,
+    softcap: float,
+    kernel: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward: K/V travel the ring again, with the dK/dV accumulators of each block, which end with their owner."""
+    group = _group(group_name)
+    plan = _plan(bounds, q, group, window)
+    whole = _whole_block(plan, q)
+    if whole is not None:
+        args = _task_args(whole, plan, scale, softcap or None, kernel)
+        dq, dk, dv = block_backward(dout.to(q.dtype), q, k, v, out, lse, **args)
+        return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+    size, dt = plan.ring_size, acc_dtype(q.dtype)
+    dout = dout.to(q.dtype)
+    dq = torch.zeros(q.shape, dtype=dt, device=q.device)
+    kv, grads_in = torch.stack([k, v]), None
+    for t in range(size):
+        pending = ring_shift(kv, group, KV_TAG) if t + 1 < size else None
+        dkv = torch.zeros(kv.shape, dtype=dt, device=q.device)  # this step's dK/dV of the held block
+        for task in plan.steps[t]:
+            qs, ks = _sl(task, "q"), _sl(task, "k")
+            args = _task_args(task, plan, scale, softcap or None, kernel)
+            gq, gk, gv = block_backward(dout[qs], q[qs], kv[0][ks], kv[1][ks], out[qs], lse[qs], **args)
+            dq[qs] += gq
+            dkv[0][ks] += gk
+            dkv[1][ks] += gv
         if grads_in is not None:
-            dkv = grads_in.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
+            dkv += grads_in.wait()  # what the previous ranks accumulated for the same block
+        if size > 1:  # after the last step this shift brings every block's gradient home
+            grads_in = ring_shift(dkv, group, GRAD_TAG)
+        if pending is not None:
+            kv = pending.wait()
+    if grads_in is not None:
+        dkv = grads_in.wait()
+    return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)  # outputs must not alias
+
+
+@ring_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, bounds, group_name, scale, window, softcap, kernel):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, bounds, *ctx.args = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], bounds)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, bounds = ctx.saved_tensors
+    dq, dk, dv = ring_attention_backward_op(dout, q, k, v, out, lse, bounds, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    segments: list[list[tuple[int, int]]],
+    bounds: torch.Tensor | list[list[tuple[int, int]]],
     group: dist.ProcessGroup | None,
     *,
     scale: float,
@@ -117,15 +206,14 @@ def ring_attention(
     softcap: float | None = None,
     kernel: str = "sdpa",
     dropout: float = 0.0,
-    plan: RingPlan | None = None,
 ) -> torch.Tensor:
     """Exact causal attention of this ring rank's zigzag portion ``q [b, hq, n, d]``, ``k, v [b, hkv, n, d]`` over
     the whole sequence of ``n * R`` tokens; returns ``[b, n, hq, d]`` (transformers' attention-output layout).
 
-    ``segments``: the documents of each row in global coordinates (``DocumentLayout.segments``); ``group``: the ring
-    process group (``None``: a ring of one). Query ``p`` sees key ``j`` iff same document, ``j <= p`` and
-    ``p - j < sliding_window``. ``plan``: a precomputed ``make_plan`` result to reuse across layers. Every rank
-    raises the same ``ValueError`` before any communication for an unsupported kernel, dropout or shape.
+    ``bounds``: the documents of every row in global coordinates, as ``document_bounds`` (a tensor, rows end to end)
+    or per-row segments (``DocumentLayout.segments``); ``group``: the ring process group (``None``: a ring of one).
+    Query ``p`` sees key ``j`` iff same document, ``j <= p`` and ``p - j < sliding_window``. Every rank raises the
+    same ``ValueError`` before any communication for an unsupported kernel, dropout or shape.
     """
     check_kernel(kernel, q.device, softcap)
     if dropout:
@@ -133,12 +221,13 @@ def ring_attention(
     b, hq, n, d = q.shape
     if k.shape != v.shape or k.shape[0] != b or k.shape[2:] != (n, d) or hq % k.shape[1]:
         raise ValueError(f"ring attention got q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)}")
-    if len(segments) != b:
-        raise ValueError(f"segments describe {len(segments)} rows for a batch of {b}")
-    rank, size = _ring(group)
-    if plan is None:
-        plan = make_plan(segments, n, group, sliding_window)
-    elif (plan.rank, plan.ring_size, plan.seq_len, plan.sliding_window) != (rank, size, n * size, sliding_window):
-        raise ValueError("the precomputed ring plan was made for another rank, ring, length or sliding window")
-    out = _RingAttention.apply(q, k, v, plan, group, scale, softcap, kernel)
-    return out.transpose(1, 2).contiguous()
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
+    _, size = _ring(group)
+    if not torch.is_tensor(bounds):
+        if len(bounds) != b:
+            raise ValueError(f"segments describe {len(bounds)} rows for a batch of {b}")
+        bounds = document_bounds(bounds, n * size)
+    group_name = group.group_name if group is not None and size > 1 else ""
+    out, _ = ring_attention_op(q, k, v, bounds, group_name, scale, sliding_window or 0, softcap or 0.0, kernel)
+    return out.transpose(1, 2)

@@ -22,9 +22,11 @@ from .all_to_all import all_gather_along, all_to_all
 from .block_attention import check_kernel
 from .kernels import resolve_kernel, run_kernel
 from .layout import DocumentLayout
-from .ring import make_plan, ring_attention
+from .ring import document_bounds, ring_attention
 
 ULYSSES_KEY = "ulysses_sp"  # must contain neither "flash" nor "sdpa": those trigger special loading paths
+VARLEN_KEY = "varlen"  # torch's own varlen flash attention (CUDA): one kernel call per layer for all documents
+BOUNDS_KWARG = "sp_document_bounds"  # passed by the decoder pre-hook down to every attention call
 _HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> its gathering pre-hook
 
 
@@ -74,7 +76,7 @@ def validate_model_for_sp(
     kernel = kernel or model.config._attn_implementation
     if kernel == ULYSSES_KEY:
         raise ValueError(f"The inner attention kernel can't be {ULYSSES_KEY!r} itself: set sp_attn_implementation.")
-    if ring > 1:
+    if ring > 1 or kernel == VARLEN_KEY:
         try:
             check_kernel(kernel, model.device, getattr(model.config.get_text_config(), "attn_logit_softcapping", None))
         except ValueError as exc:
@@ -98,43 +100,47 @@ class UlyssesAttention:
 
     # -- the attention function -------------------------------------------------------------------------------
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
-        if self.layout is None:
-            raise RuntimeError("Ulysses attention was called outside a forward of the model it was attached to.")
+        bounds = kwargs.pop(BOUNDS_KWARG, None)  # the whole sequence's documents, from the decoder pre-hook
+        if bounds is None or self.layout is None:
+            raise RuntimeError("SP attention was called outside a forward of the model it was attached to.")
         topo = self.topology
         group = topo.ulysses_group
         rep = kv_replication(key.shape[1], topo.ulysses_size)
         if rep > 1:  # e.g. 2 kv heads on 4 ranks: each rank needs its query heads' kv head
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
         q, k, v = (all_to_all(t, scatter_dim=1, gather_dim=2, group=group) for t in (query, key, value))
-        if topo.ring_size > 1:
-            out = self._ring(module, q, k, v, kwargs)
-        else:
+        if self._uses_blocks(q, kwargs):  # one op per layer over all documents (and the ring); torch.compile-able
+            ring = topo.ring_group if topo.ring_size > 1 else None
+            out = ring_attention(
+                q,
+                k,
+                v,
+                bounds,
+                ring,
+                scale=kwargs.get("scaling") or q.shape[-1] ** -0.5,
+                sliding_window=kwargs.get("sliding_window"),
+                softcap=kwargs.get("softcap"),
+                kernel=self.kernel,
+                dropout=kwargs.get("dropout", 0.0),
+            )
+        else:  # the registered kernel itself, per document / varlen / block mask
             fn = resolve_kernel(self.kernel, module)
             kernel_module = module if rep == 1 else _KVGroupsView(module, q.shape[1] // k.shape[1])
             out = run_kernel(self.kernel, fn, kernel_module, q, k, v, self.layout, kwargs)  # [b, s, h/U, d]
         return all_to_all(out, scatter_dim=1, gather_dim=2, group=group), None  # [b, s/P, h, d]
 
-    def _ring(self, module, q, k, v, kwargs):
-        segments, group, window = self.layout.segments, self.topology.ring_group, kwargs.get("sliding_window")
-        plan = self.layout.cached(("ring_plan", window), lambda: make_plan(segments, q.shape[2], group, window))
-        return ring_attention(
-            q,
-            k,
-            v,
-            segments,
-            group,
-            scale=kwargs.get("scaling") or q.shape[-1] ** -0.5,
-            sliding_window=window,
-            softcap=kwargs.get("softcap"),
-            kernel=self.kernel,
-            dropout=kwargs.get("dropout", 0.0),
-            plan=plan,
-        )
+    def _uses_blocks(self, q: torch.Tensor, kwargs: dict) -> bool:
+        """The block kernels with their LSE: always with a ring; without one, for ``varlen`` and for sdpa on CPU (the
+        fused CPU kernel sdpa itself calls, one op for all documents); otherwise the registered kernel itself."""
+        if self.topology.ring_size > 1 or self.kernel == VARLEN_KEY:
+            return True
+        return self.kernel == "sdpa" and q.device.type == "cpu" and not kwargs.get("dropout")
 
     # -- wiring into a model ----------------------------------------------------------------------------------
     def attach(self, model: PreTrainedModel) -> None:
         """Route ``model``'s attention through this backend and gather document boundaries once per forward."""
-        model.set_attn_implementation(self.kernel)  # transformers validates the inner kernel (installed, GPU, ...)
+        # transformers validates the inner kernel (installed, GPU, ...); torch's varlen is ours, with sdpa's setup
+        model.set_attn_implementation(self._inner_key)
         AttentionInterface.register(ULYSSES_KEY, self)
         model.set_attn_implementation(ULYSSES_KEY)
         decoder = _decoder(model)
@@ -147,7 +153,11 @@ class UlyssesAttention:
         hook = _HOOKS.pop(_decoder(model), None)
         if hook is not None:
             hook.remove()
-        model.set_attn_implementation(self.kernel)
+        model.set_attn_implementation(self._inner_key)
+
+    @property
+    def _inner_key(self) -> str:
+        return "sdpa" if self.kernel == VARLEN_KEY else self.kernel
 
     def _before_forward(self, module, args, kwargs):
         input_ids = kwargs.get("input_ids", args[0] if args else None)
@@ -183,7 +193,8 @@ class UlyssesAttention:
         position_ids = position_ids.expand(batch, -1)
         full = self.sharding.unshard(all_gather_along(position_ids, 1, group))
         self.layout = DocumentLayout.from_position_ids(full)
-        kwargs.update(position_ids=position_ids, attention_mask=None, use_cache=False)
+        bounds = document_bounds(self.layout.segments, full_len)
+        kwargs.update(position_ids=position_ids, attention_mask=None, use_cache=False, **{BOUNDS_KWARG: bounds})
         return args, kwargs
 
 

@@ -23,6 +23,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging
 
 from ..attention.all_to_all import all_to_all_op
+from ..attention.ring import ring_attention_op
 from .offload import HostOffload
 
 logger = logging.get_logger(__name__)
@@ -49,6 +50,7 @@ def saved_ops() -> frozenset:
     """The ops whose outputs ``sequence_aware`` saves (matched by identity; flash-attn kernels by name)."""
     ops = {getattr(torch.ops.aten, name).default for name in _ATEN_SAVED if hasattr(torch.ops.aten, name)}
     ops.add(all_to_all_op._opoverload)
+    ops.add(ring_attention_op._opoverload)  # the block kernels of Ulysses (CPU sdpa/eager, varlen) and of the ring
     flex = getattr(torch.ops.higher_order, "flex_attention", None)
     if flex is not None:
         ops.add(flex)
