@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hf_sp_trainer.attention.block_attention import block_backward, block_forward, check_kernel
 from hf_sp_trainer.attention.ring import merge_block, ring_attention
@@ -181,6 +182,20 @@ def test_merge_of_key_blocks_equals_full_softmax():
     for part in (slice(0, 4), slice(4, 9)):
         merge_block(out, lse, *block_forward(q, k[:, :, part], v[:, :, part], kind="full", scale=0.5))
     assert rel_err(out, full) < 1e-6 and rel_err(lse, full_lse) < 1e-6
+
+
+def test_autocast_casts_like_sdpa():
+    """Under bf16 autocast, q/k in fp32 (after rotary embeddings) and v in bf16 are cast as autocast casts sdpa."""
+    torch.manual_seed(2)
+    q, k = torch.randn(1, 4, 16, 8, requires_grad=True), torch.randn(1, 2, 16, 8, requires_grad=True)
+    v = torch.randn(1, 2, 16, 8, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+        got = ring_attention(q, k, v, [[(0, 16)]], None, scale=8**-0.5)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert rel_err(got.float(), want.float()) < 1e-2
+    got.float().sum().backward()
+    assert (q.grad.dtype, k.grad.dtype, v.grad.dtype) == (torch.float32, torch.float32, torch.bfloat16)
 
 
 def test_kernels_without_lse_are_refused():

@@ -194,6 +194,19 @@ def _backward(ctx, dout, _dlse):
 ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def autocast_like_sdpa(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under autocast, cast q/k/v to the autocast dtype as autocast does for sdpa (a lower-precision op).
+
+    Autocast cannot see into our custom op, and rotary embeddings leave q/k in fp32 while v is bf16 (the fused CPU
+    kernel refuses mixed dtypes). Ulysses casts before its all-to-all: the same cast, half the bytes moved.
+    """
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) for t in tensors)
+
+
 def ring_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -229,5 +242,6 @@ def ring_attention(
             raise ValueError(f"segments describe {len(bounds)} rows for a batch of {b}")
         bounds = document_bounds(bounds, n * size)
     group_name = group.group_name if group is not None and size > 1 else ""
+    q, k, v = autocast_like_sdpa(q, k, v)
     out, _ = ring_attention_op(q, k, v, bounds, group_name, scale, sliding_window or 0, softcap or 0.0, kernel)
     return out.transpose(1, 2)

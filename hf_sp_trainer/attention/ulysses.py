@@ -22,7 +22,7 @@ from .all_to_all import all_gather_along, all_to_all
 from .block_attention import check_kernel
 from .kernels import resolve_kernel, run_kernel
 from .layout import DocumentLayout
-from .ring import document_bounds, ring_attention
+from .ring import autocast_like_sdpa, document_bounds, ring_attention
 
 ULYSSES_KEY = "ulysses_sp"  # must contain neither "flash" nor "sdpa": those trigger special loading paths
 VARLEN_KEY = "varlen"  # torch's own varlen flash attention (CUDA): one kernel call per layer for all documents
@@ -108,6 +108,7 @@ class UlyssesAttention:
         rep = kv_replication(key.shape[1], topo.ulysses_size)
         if rep > 1:  # e.g. 2 kv heads on 4 ranks: each rank needs its query heads' kv head
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+        query, key, value = autocast_like_sdpa(query, key, value)
         q, k, v = (all_to_all(t, scatter_dim=1, gather_dim=2, group=group) for t in (query, key, value))
         if self._uses_blocks(q, kwargs):  # one op per layer over all documents (and the ring); torch.compile-able
             ring = topo.ring_group if topo.ring_size > 1 else None
