@@ -12,6 +12,7 @@ import sys
 # Set by torchrun, `accelerate launch` and the deepspeed launcher in every worker.
 _LAUNCHED_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE")
 # `accelerate launch` needs one of these to start more than one process.
+_LAUNCH_DEFAULTS = {"--num_machines": "1", "--mixed_precision": "no", "--dynamo_backend": "no"}
 _MULTI_PROCESS_FLAGS = ("--multi_gpu", "--use_deepspeed", "--use_fsdp", "--config_file", "--tpu", "--use_mps_device")
 
 
@@ -43,6 +44,9 @@ def _accelerate_launch(launch_args: list[str], script_args: list[str]) -> None:
     from . import sft
 
     launch_args = resolve_accelerate_config_argument(launch_args)
+    if "--config_file" not in launch_args:  # accelerate's own defaults, stated (it warns about each one otherwise)
+        given = {arg.split("=", 1)[0] for arg in launch_args}
+        launch_args += [x for flag, value in _LAUNCH_DEFAULTS.items() if flag not in given for x in (flag, value)]
     num_processes = int(_flag_value(launch_args, "--num_processes") or 1)
     if num_processes > 1 and not any(flag in launch_args for flag in _MULTI_PROCESS_FLAGS):
         launch_args = ["--multi_gpu", *launch_args]  # accelerate's torchrun launcher; gloo on CPU-only machines
