@@ -18,6 +18,9 @@ setup(
         "console_scripts": [
             "hf-sp-sft = hf_sp_trainer.cli.launch:main",
             "hf-sp-plan = hf_sp_trainer.cli.plan:main",
+            "hf-sp-dpo = hf_sp_trainer.cli.preference:main_dpo",
+            "hf-sp-reward = hf_sp_trainer.cli.preference:main_reward",
+            "hf-sp-kto = hf_sp_trainer.cli.preference:main_kto",
         ]
     },
     package_data={"hf_sp_trainer.data": ["*.json"]},

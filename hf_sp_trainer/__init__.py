@@ -12,6 +12,12 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "DPOConfig": "dpo",
+    "KTOConfig": "kto",
+    "RewardConfig": "reward",
+    "SPDPOTrainer": "dpo",
+    "SPKTOTrainer": "kto",
+    "SPRewardTrainer": "reward",
     "SequenceParallelArguments": "arguments",
     "TrainingArguments": "arguments",
     "ULYSSES_KEY": "attention.ulysses",
@@ -27,6 +33,12 @@ _EXPORTS = {
     "add_throughput_callback": "throughput",
 }
 __all__ = [
+    "DPOConfig",
+    "KTOConfig",
+    "RewardConfig",
+    "SPDPOTrainer",
+    "SPKTOTrainer",
+    "SPRewardTrainer",
     "SFTConfig",
     "SPDataCollator",
     "SPSFTTrainer",
@@ -46,7 +58,10 @@ if TYPE_CHECKING:
     from .arguments import SequenceParallelArguments, TrainingArguments
     from .attention.ulysses import ULYSSES_KEY, UlyssesAttention
     from .collators import SPDataCollator
+    from .dpo import DPOConfig, SPDPOTrainer
+    from .kto import KTOConfig, SPKTOTrainer
     from .parallel import SequenceParallel, apply_sequence_parallel
+    from .reward import RewardConfig, SPRewardTrainer
     from .sft import SFTConfig, SPSFTTrainer
     from .throughput import ThroughputCallback, add_throughput_callback
     from .trainer import SequenceParallelMixin, SPTrainer

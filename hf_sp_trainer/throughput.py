@@ -233,6 +233,10 @@ class ThroughputCallback(TrainerCallback):
         if model is not None:
             from .attention.ulysses import ULYSSES_KEY
 
+            # the transformers model under a PEFT wrapper: it sees this rank's shard (preference trainers shard in
+            # a pre-hook on it)
+            model = model.get_base_model() if hasattr(model, "get_base_model") else model
+
             sp_attention = None
             if getattr(model.config, "_attn_implementation", None) == ULYSSES_KEY:
                 from transformers import AttentionInterface

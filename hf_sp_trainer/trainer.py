@@ -80,6 +80,7 @@ class SequenceParallelMixin:
 
     # -- hooks for subclasses -------------------------------------------------------------------------------------
     sp_fuses_lm_loss = False  # True where the base trainer already computes its LM loss without full logits
+    sp_shards_batch = True  # False where the model shards inside its forward (the preference trainers' hooks)
 
     def sp_default_collator(self, processing_class: Any):
         """The collator used with ``sp_size > 1`` when none is given: one packed row per batch (``None``: the base
@@ -144,7 +145,7 @@ class SequenceParallelMixin:
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         inputs = super()._prepare_inputs(inputs)
-        if self.sp is None:
+        if self.sp is None or not self.sp_shards_batch:
             return inputs
         return self.sp.shard_batch(inputs, self._sp_pad_id)
 
@@ -176,6 +177,8 @@ class SequenceParallelMixin:
 
     def _sp_gather_for_metrics(self, tensor: torch.Tensor) -> torch.Tensor:
         """``accelerator.gather_for_metrics`` over DP ranks: one copy per SP group, last-batch duplicates dropped."""
+        if isinstance(tensor, (tuple, list)):
+            return type(tensor)(self._sp_gather_for_metrics(t) for t in tensor)
         topo = self.sp.topology
         per_rank = self.accelerator.gather(tensor).chunk(topo.world_size)
         gathered = torch.cat(per_rank[:: topo.sp_size])

@@ -23,10 +23,13 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     pass
 
 
-def make_parser(prog: str = "hf-sp-sft"):
+def make_parser(prog: str = "hf-sp-sft", config_cls: type | None = None):
+    """``config_cls``: the training config (default ``SFTConfig``; the preference commands pass theirs)."""
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 
     from ..sft import SFTConfig
+
+    config_cls = config_cls or SFTConfig
 
     class Parser(TrlParser):
         _namespace_only = False
@@ -45,7 +48,7 @@ def make_parser(prog: str = "hf-sp-sft"):
                 return self.parse_known_args(args)
             return super().parse_args_into_dataclasses(args, return_remaining_strings, **kwargs)
 
-    parser = Parser((ScriptArguments, SFTConfig, ModelConfig, DatasetMixtureConfig), prog=prog)
+    parser = Parser((ScriptArguments, config_cls, ModelConfig, DatasetMixtureConfig), prog=prog)
     parser.epilog = EPILOG
     parser.formatter_class = _HelpFormatter
     return parser

@@ -1,0 +1,141 @@
+"""``hf-sp-dpo``, ``hf-sp-reward``, ``hf-sp-kto``: ``trl dpo`` / ``trl reward`` / ``trl kto`` with sequence parallelism.
+
+Each accepts every flag (and YAML key) of the matching ``trl <cmd>`` plus the SP and memory-stack flags, and launches
+like ``hf-sp-sft``: flags no dataclass knows (``--num_processes``, ``--accelerate_config``, ...) go to
+``accelerate launch``, which starts this module in every worker.
+"""
+
+from __future__ import annotations
+
+# Absolute imports only: `accelerate launch` runs this file as a script in every worker.
+import os
+import sys
+
+# command -> (module, config, trainer)
+COMMANDS = {
+    "dpo": ("hf_sp_trainer.dpo", "DPOConfig", "SPDPOTrainer"),
+    "reward": ("hf_sp_trainer.reward", "RewardConfig", "SPRewardTrainer"),
+    "kto": ("hf_sp_trainer.kto", "KTOConfig", "SPKTOTrainer"),
+}
+
+
+def _classes(command: str):
+    import importlib
+
+    module, config, trainer = COMMANDS[command]
+    module = importlib.import_module(module)
+    return getattr(module, config), getattr(module, trainer)
+
+
+def make_parser(command: str):
+    from hf_sp_trainer.cli.args import make_parser as make_trl_parser
+
+    parser = make_trl_parser(prog=f"hf-sp-{command}", config_cls=_classes(command)[0])
+    parser.epilog = (
+        f"\nlauncher flags (passed to `accelerate launch`, as with `trl {command}`):\n"
+        "  --num_processes N        processes to start (world size = dp x sp); --accelerate_config NAME|FILE\n"
+    )
+    return parser
+
+
+def load_dataset_like_trl(script_args, dataset_args):
+    """What ``trl <cmd>`` loads (a hub name or a dataset mixture), plus local files as with ``hf-sp-sft``."""
+    from hf_sp_trainer.cli.sft import load_sft_dataset
+
+    if not dataset_args.datasets and not script_args.dataset_name:
+        raise ValueError("Either `datasets` or `dataset_name` must be provided.")
+    return load_sft_dataset(script_args, dataset_args)
+
+
+def train(command: str, script_args, training_args, model_args, dataset_args) -> None:
+    """Train as ``trl <command>`` does (its script's steps), with the SP trainer."""
+    from transformers import set_seed
+    from trl import get_peft_config, get_quantization_config
+
+    trainer_cls = _classes(command)[1]
+    training_args.model_init_kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+        **(training_args.model_init_kwargs or {}),
+    }
+    dataset = load_dataset_like_trl(script_args, dataset_args)
+    set_seed(training_args.seed)
+    eval_split = script_args.dataset_test_split
+    trainer = trainer_cls(
+        model=model_args.model_name_or_path,
+        args=training_args,
+        train_dataset=dataset[script_args.dataset_train_split],
+        eval_dataset=dataset[eval_split] if training_args.eval_strategy != "no" and eval_split in dataset else None,
+        quantization_config=get_quantization_config(model_args),
+        peft_config=get_peft_config(model_args),
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model(training_args.output_dir)
+    trainer.save_state()
+    trainer.accelerator.print(f"Model saved to {os.path.abspath(training_args.output_dir)}")
+    if training_args.push_to_hub:
+        trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    trainer.end()
+
+
+def worker(command: str, argv: list[str]) -> None:
+    from hf_sp_trainer.cli.sft import quiet_other_ranks
+
+    quiet_other_ranks()
+    args = make_parser(command).parse_args_and_config(argv, fail_with_unknown_args=False)
+    train(command, *args[:4])
+
+
+def launch(command: str, argv: list[str] | None = None) -> int:
+    """Parse like ``trl <command>``, then start the workers with ``accelerate launch`` (or train in-process when
+    already launched by torchrun / accelerate / deepspeed)."""
+    from hf_sp_trainer.cli import launch as sft_launch
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(os.environ.get(name) for name in sft_launch._LAUNCHED_ENV):
+        worker(command, argv)
+        return 0
+    if sft_launch._on_cpu_only():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if "--use_cpu" not in argv:
+            argv.append("--use_cpu")
+    _, config_remaining, cli_remaining = make_parser(command).parse_namespace(argv)
+    launch_args = config_remaining + cli_remaining
+    script_args = sft_launch._subtract(argv, cli_remaining)
+    _accelerate_launch(launch_args, [command, *script_args])
+    return 0
+
+
+def _accelerate_launch(launch_args: list[str], script_args: list[str]) -> None:
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from trl.cli.accelerate_config import resolve_accelerate_config_argument
+
+    from hf_sp_trainer.cli.launch import _LAUNCH_DEFAULTS, _MULTI_PROCESS_FLAGS, _flag_value
+
+    launch_args = resolve_accelerate_config_argument(launch_args)
+    if "--config_file" not in launch_args:
+        given = {arg.split("=", 1)[0] for arg in launch_args}
+        launch_args += [x for flag, value in _LAUNCH_DEFAULTS.items() if flag not in given for x in (flag, value)]
+    if int(_flag_value(launch_args, "--num_processes") or 1) > 1 and not any(
+        flag in launch_args for flag in _MULTI_PROCESS_FLAGS
+    ):
+        launch_args = ["--multi_gpu", *launch_args]
+    launch_command(launch_command_parser().parse_args([*launch_args, __file__, *script_args]))
+
+
+def main_dpo() -> int:
+    return launch("dpo")
+
+
+def main_reward() -> int:
+    return launch("reward")
+
+
+def main_kto() -> int:
+    return launch("kto")
+
+
+if __name__ == "__main__":  # `python -m hf_sp_trainer.cli.preference <command> <flags>`: launcher and workers
+    raise SystemExit(launch(sys.argv[1], sys.argv[2:]))

@@ -1,0 +1,35 @@
+"""``SPKTOTrainer``: TRL's ``KTOTrainer`` with sequence parallelism (the same mixin as ``SPTrainer``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import trl
+
+from .arguments import SequenceParallelArguments
+from .memory import MemoryArguments
+from .preference.mixin import PreferenceSPMixin, refuse
+
+
+@dataclass
+class KTOConfig(SequenceParallelArguments, MemoryArguments, trl.KTOConfig):
+    """``trl.KTOConfig`` plus the sequence-parallel and memory-stack fields."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.sp_size > 1:
+            refuse(
+                {"precompute_ref_log_probs": self.precompute_ref_log_probs},
+                "TRL precomputes the reference log-probs with unsharded forwards inside the trainer's constructor",
+                "Set precompute_ref_log_probs=False (the reference then runs sharded, without gradients, each step).",
+            )
+        self._check_sequence_parallel()
+
+
+class SPKTOTrainer(PreferenceSPMixin, trl.KTOTrainer):
+    """``trl.KTOTrainer`` with sequence parallelism over ``args.sp_size`` ranks.
+
+    Completion and KL (mismatched-pair) log-probs of policy and reference are computed on sequence shards and summed
+    over the SP group with autograd: loss, gradients, the KL estimate and the logged metrics equal the single-process
+    ``KTOTrainer`` ones. With ``sp_size=1`` it is exactly ``KTOTrainer``.
+    """

@@ -1,0 +1,85 @@
+"""``PreferenceSPMixin``: what the DPO, reward and KTO trainers add to ``SequenceParallelMixin``.
+
+The base mixin does construction, data (one batch per SP group), evaluation gathers and teardown. Preference batches
+are not sharded before the trainer sees them: TRL's loss code reads whole padded batches (masks, lengths, labels), so
+the model hooks (``hooks.py``) shard inside each forward and hand back full-batch outputs. Every SP rank therefore
+computes TRL's loss and metrics on identical tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..attention import validate_model_for_sp
+from ..trainer import SequenceParallelMixin, unwrap_model
+from .hooks import LogProbHooks
+
+
+def refuse(options: dict[str, Any], why: str, fix: str) -> None:
+    """One ValueError naming every option set to an unsupported value (raised on every rank, before collectives)."""
+    bad = [f"{name}={value!r}" for name, value in options.items() if value]
+    if bad:
+        raise ValueError(f"Sequence parallelism (sp_size > 1) does not support {', '.join(bad)}: {why}. {fix}")
+
+
+class PreferenceSPMixin(SequenceParallelMixin):
+    """SP for TRL trainers whose loss is built from sequence-level terms (DPO, KTO: log-probs; reward: scores)."""
+
+    sp_fuses_lm_loss = True  # TRL's fused LM head (or a classification head): fused_loss has nothing to do
+    sp_shards_batch = False  # the model hooks shard inside each forward
+    sp_hooks_cls: type = LogProbHooks
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._sp_hooks = []
+        if self.sp is not None:
+            self._sp_attach_hooks()
+
+    def sp_default_collator(self, processing_class: Any):
+        return None  # TRL's own (right-padded) preference collator; the hooks pack its batches
+
+    def sp_after_init(self) -> None:
+        refuse(
+            {"compute_metrics": self.compute_metrics},
+            "it needs full [seq, vocab] logits, which the fused log-prob forward never builds",
+            "Use the logged reward / logp metrics, or evaluate with sp_size=1.",
+        )
+        refuse(
+            {
+                "vision datasets": getattr(self, "_is_vision_dataset", False),
+                "MoE router aux loss": getattr(self, "aux_loss_enabled", False),
+            },
+            "only text tokens are sharded, and a load-balancing loss over a shard is not the sequence's",
+            "Use a text-only dataset and router_aux_loss_coef=0.0, or sp_size=1.",
+        )
+
+    def _sp_attach_hooks(self) -> None:
+        """Hooks on the policy (also the reference when LoRA adapters are disabled) and an SP reference model."""
+        self._sp_hooks.append(self._sp_hook(unwrap_model(self.model)))
+        ref = getattr(self, "ref_model", None)
+        if ref is not None:
+            ref = unwrap_model(self.accelerator.unwrap_model(ref))
+            args, topo = self.args, self.sp.topology
+            split = validate_model_for_sp(ref, args.sp_size, topo.ring_size, self.sp.attention.kernel)
+            if split != (topo.ulysses_size, topo.ring_size):
+                raise ValueError(
+                    f"The reference model splits sp_size={args.sp_size} as ulysses x ring {split}, the policy as "
+                    f"{(topo.ulysses_size, topo.ring_size)}; give a reference model with the policy's attention heads."
+                )
+            # The policy's attention object (one is registered per process): its layout is set by whichever runs
+            self.sp.attention.attach(ref)
+            if args.tiled_mlp:  # the reference runs at the same sequence length as the policy
+                from ..memory.tiled_mlp import apply_tiled_mlp
+
+                apply_tiled_mlp(ref, args.tiled_mlp_num_shards)
+            self._sp_hooks.append(self._sp_hook(ref))
+        # TRL counts tokens over all ranks and divides by the ranks sharing a batch: the SP ranks share theirs
+        self._tp_size = getattr(self, "_tp_size", 1) * self.sp.topology.sp_size
+
+    def _sp_hook(self, model):
+        hooks = self.sp_hooks_cls(self.sp, self._sp_pad_id)
+        hooks.attach(model)
+        return hooks
+
+    def _sp_gather_sequence(self, x):
+        return x  # the hooks' outputs are whole batches already (identical on every SP rank)

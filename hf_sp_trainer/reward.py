@@ -1,0 +1,33 @@
+"""``SPRewardTrainer``: TRL's ``RewardTrainer`` with sequence parallelism (the same mixin as ``SPTrainer``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import trl
+
+from .arguments import SequenceParallelArguments
+from .memory import MemoryArguments
+from .preference.hooks import RewardHooks
+from .preference.mixin import PreferenceSPMixin
+
+
+@dataclass
+class RewardConfig(SequenceParallelArguments, MemoryArguments, trl.RewardConfig):
+    """``trl.RewardConfig`` plus the sequence-parallel and memory-stack fields."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self._check_sequence_parallel()
+
+
+class SPRewardTrainer(PreferenceSPMixin, trl.RewardTrainer):
+    """``trl.RewardTrainer`` with sequence parallelism over ``args.sp_size`` ranks.
+
+    The sequence-classification model runs on sequence shards; the score of each sequence is read at its last
+    non-pad token on whichever rank holds it and summed over the SP group with autograd, so loss, gradients, the
+    reward / accuracy / margin metrics and predictions equal the single-process ``RewardTrainer`` ones. With
+    ``sp_size=1`` it is exactly ``RewardTrainer``.
+    """
+
+    sp_hooks_cls = RewardHooks
