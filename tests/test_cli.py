@@ -70,7 +70,10 @@ def tiny_run(tmp_path_factory):
         procs = [
             subprocess.Popen(
                 [*launcher, *common, "--output_dir", str(out), *flags],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=ENV,
             )  # fmt: skip
             for launcher in launchers
         ]
@@ -95,23 +98,45 @@ def assert_same_steps(got, reference):
         assert abs(norm - ref_norm) <= 1e-5 * abs(ref_norm), (got, reference)
 
 
+@pytest.fixture(scope="module")
+def main_job(tmp_path_factory):
+    """The built-in main job shortened to 3 steps, as launched with no arguments (2 processes, sp 2) and with
+    ``--num_processes 1 --sp_size 1``: per sp, the console output and the logged per-step losses."""
+    root = tmp_path_factory.mktemp("main_job")
+    runs = {}
+    for sp, launch in ((2, []), (1, ["--num_processes", "1", "--sp_size", "1"])):
+        out = root / f"sp{sp}"
+        done = subprocess.run(
+            [f"{BIN}/hf-sp-sft", "--max_steps", "3", "--logging_steps", "1", "--output_dir", str(out), *launch],
+            capture_output=True, text=True, env=ENV, timeout=900, cwd=root,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+        runs[sp] = (done.stdout, [e["loss"] for e in history if "grad_norm" in e], out)
+    return runs
+
+
 @pytest.mark.slow
-def test_main_job_runs_end_to_end(tmp_path):
-    """The built-in main job, shortened to 5 steps: trains under sp_size 2, evaluates retrieval through SP and with
-    attention restricted to each shard, and reports where the model is."""
-    done = subprocess.run(
-        [f"{BIN}/hf-sp-sft", "--max_steps", "5", "--output_dir", str(tmp_path / "job")],
-        capture_output=True, text=True, env=ENV, timeout=900, cwd=tmp_path,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    out = done.stdout
+def test_main_job_runs_end_to_end(main_job):
+    """Trains under sp_size 2, evaluates retrieval through SP and with attention restricted to each shard, and
+    reports where the model is."""
+    out, _, model_dir = main_job[2]
     assert "on 2 process(es) (sp_size=2)" in out
     assert re.search(r"retrieval accuracy on 40 held-out documents of 512-8192 tokens: [\d.]+%", out)
     assert re.search(r"cross-shard\): \d+/20", out) and re.search(r"in-shard\):  \d+/20", out)
     assert re.search(r"control, attention restricted to each rank's shard: cross-shard \d+/20", out)
     assert re.search(r"peak memory per rank: \d+ MB, \d+ MB", out)
-    assert (tmp_path / "job" / "model.safetensors").exists()
+    assert (model_dir / "model.safetensors").exists()
     assert out.count("Main job done") == 1  # one console: rank 0 reports
+
+
+@pytest.mark.slow
+def test_main_job_same_flags_same_training_at_sp1_and_sp2(main_job):
+    """The main job's defaults give the same per-step losses on one process and on 2 processes with sp 2."""
+    (_, ref, _), (_, got, _) = main_job[1], main_job[2]
+    assert len(ref) == 3
+    for loss, ref_loss in zip(got, ref, strict=True):
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (got, ref)
 
 
 @pytest.mark.slow
@@ -126,29 +151,10 @@ def test_cli_lora_sp2_matches_one_process(tiny_run, reference):
 @pytest.mark.slow
 def test_repeated_two_rank_runs_exit_cleanly(tiny_run):
     """A finished run exits 0, every time (process groups torn down after a barrier)."""
-    for attempt in range(3):
+    for attempt in range(2):
         steps = tiny_run(f"exit{attempt}", [f"{BIN}/hf-sp-sft", "--num_processes", "2", "--sp_size", "2"],
                          flags=["--max_steps", "1"])  # fmt: skip
         assert len(steps) == 1
-
-
-@pytest.mark.slow
-def test_main_job_same_flags_same_training_at_sp1_and_sp2(tmp_path):
-    """The main job's defaults give the same per-step losses on one process and on 2 processes with sp 2."""
-    losses = {}
-    for sp in (1, 2):
-        out = tmp_path / f"sp{sp}"
-        done = subprocess.run(
-            [f"{BIN}/hf-sp-sft", "--max_steps", "3", "--logging_steps", "1", "--output_dir", str(out),
-             "--num_processes", str(sp), "--sp_size", str(sp)],
-            capture_output=True, text=True, env=ENV, timeout=900, cwd=tmp_path,
-        )  # fmt: skip
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        history = json.loads((out / "trainer_state.json").read_text())["log_history"]
-        losses[sp] = [e["loss"] for e in history if "grad_norm" in e]
-    assert len(losses[1]) == 3
-    for got, ref in zip(losses[2], losses[1], strict=True):
-        assert abs(got - ref) <= 1e-5 * abs(ref), losses
 
 
 @pytest.mark.slow
