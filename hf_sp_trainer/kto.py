@@ -8,7 +8,7 @@ import trl
 
 from .arguments import SequenceParallelArguments
 from .memory import MemoryArguments
-from .preference.mixin import PreferenceSPMixin, refuse
+from .preference.mixin import PreferenceSPMixin, refuse_precomputed_reference
 
 
 @dataclass
@@ -17,12 +17,7 @@ class KTOConfig(SequenceParallelArguments, MemoryArguments, trl.KTOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.sp_size > 1:
-            refuse(
-                {"precompute_ref_log_probs": self.precompute_ref_log_probs},
-                "TRL precomputes the reference log-probs with unsharded forwards inside the trainer's constructor",
-                "Set precompute_ref_log_probs=False (the reference then runs sharded, without gradients, each step).",
-            )
+        refuse_precomputed_reference(self)
         self._check_sequence_parallel()
 
 

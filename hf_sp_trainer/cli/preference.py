@@ -38,54 +38,16 @@ def make_parser(command: str):
     return parser
 
 
-def load_dataset_like_trl(script_args, dataset_args):
-    """What ``trl <cmd>`` loads (a hub name or a dataset mixture), plus local files as with ``hf-sp-sft``."""
-    from hf_sp_trainer.cli.sft import load_sft_dataset
-
-    if not dataset_args.datasets and not script_args.dataset_name:
-        raise ValueError("Either `datasets` or `dataset_name` must be provided.")
-    return load_sft_dataset(script_args, dataset_args)
-
-
-def train(command: str, script_args, training_args, model_args, dataset_args) -> None:
-    """Train as ``trl <command>`` does (its script's steps), with the SP trainer."""
-    from transformers import set_seed
-    from trl import get_peft_config, get_quantization_config
-
-    trainer_cls = _classes(command)[1]
-    training_args.model_init_kwargs = {
-        "revision": model_args.model_revision,
-        "trust_remote_code": training_args.trust_remote_code,
-        "attn_implementation": model_args.attn_implementation,
-        "dtype": model_args.dtype,
-        **(training_args.model_init_kwargs or {}),
-    }
-    dataset = load_dataset_like_trl(script_args, dataset_args)
-    set_seed(training_args.seed)
-    eval_split = script_args.dataset_test_split
-    trainer = trainer_cls(
-        model=model_args.model_name_or_path,
-        args=training_args,
-        train_dataset=dataset[script_args.dataset_train_split],
-        eval_dataset=dataset[eval_split] if training_args.eval_strategy != "no" and eval_split in dataset else None,
-        quantization_config=get_quantization_config(model_args),
-        peft_config=get_peft_config(model_args),
-    )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model(training_args.output_dir)
-    trainer.save_state()
-    trainer.accelerator.print(f"Model saved to {os.path.abspath(training_args.output_dir)}")
-    if training_args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    trainer.end()
-
-
 def worker(command: str, argv: list[str]) -> None:
-    from hf_sp_trainer.cli.sft import quiet_other_ranks
+    from hf_sp_trainer.cli.sft import quiet_other_ranks, train
 
     quiet_other_ranks()
-    args = make_parser(command).parse_args_and_config(argv, fail_with_unknown_args=False)
-    train(command, *args[:4])
+    script_args, training_args, model_args, dataset_args = make_parser(command).parse_args_and_config(
+        argv, fail_with_unknown_args=False
+    )[:4]
+    if not dataset_args.datasets and not script_args.dataset_name:
+        raise ValueError(f"hf-sp-{command} needs --dataset_name (or `datasets` in a YAML config).")
+    train(script_args, training_args, model_args, dataset_args, trainer_cls=_classes(command)[1])
 
 
 def launch(command: str, argv: list[str] | None = None) -> int:

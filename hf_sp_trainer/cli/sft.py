@@ -24,12 +24,13 @@ def load_sft_dataset(script_args, dataset_args):
     return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
 
 
-def train(script_args, training_args, model_args, dataset_args) -> None:
-    """Train as ``trl sft`` does, with sequence parallelism."""
+def train(script_args, training_args, model_args, dataset_args, trainer_cls=None) -> None:
+    """Train as TRL's scripts (``trl sft``, ``trl dpo``, ...) do, with ``trainer_cls`` (default ``SPSFTTrainer``)."""
     from transformers import set_seed
     from trl import get_peft_config, get_quantization_config
 
-    from hf_sp_trainer.sft import SPSFTTrainer
+    if trainer_cls is None:
+        from hf_sp_trainer.sft import SPSFTTrainer as trainer_cls
 
     training_args.model_init_kwargs = {
         "revision": model_args.model_revision,
@@ -41,7 +42,7 @@ def train(script_args, training_args, model_args, dataset_args) -> None:
     dataset = load_sft_dataset(script_args, dataset_args)
     set_seed(training_args.seed)  # before the model (and LoRA adapters) are created: reproducible runs
     eval_split = script_args.dataset_test_split
-    trainer = SPSFTTrainer(
+    trainer = trainer_cls(
         model=model_args.model_name_or_path,
         args=training_args,
         train_dataset=dataset[script_args.dataset_train_split],

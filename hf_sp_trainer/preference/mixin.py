@@ -22,6 +22,16 @@ def refuse(options: dict[str, Any], why: str, fix: str) -> None:
         raise ValueError(f"Sequence parallelism (sp_size > 1) does not support {', '.join(bad)}: {why}. {fix}")
 
 
+def refuse_precomputed_reference(config: Any) -> None:
+    """DPO / KTO configs: TRL's precomputed reference log-probs would come from unsharded forwards."""
+    if config.sp_size > 1:
+        refuse(
+            {"precompute_ref_log_probs": config.precompute_ref_log_probs},
+            "TRL precomputes the reference log-probs with unsharded forwards inside the trainer's constructor",
+            "Set precompute_ref_log_probs=False (the reference then runs sharded, without gradients, each step).",
+        )
+
+
 class PreferenceSPMixin(SequenceParallelMixin):
     """SP for TRL trainers whose loss is built from sequence-level terms (DPO, KTO: log-probs; reward: scores)."""
 
