@@ -13,6 +13,10 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "DPOConfig": "dpo",
+    "GRPOConfig": "grpo",
+    "RLOOConfig": "grpo",
+    "SPGRPOTrainer": "grpo",
+    "SPRLOOTrainer": "grpo",
     "KTOConfig": "kto",
     "RewardConfig": "reward",
     "SPDPOTrainer": "dpo",
@@ -34,6 +38,10 @@ _EXPORTS = {
 }
 __all__ = [
     "DPOConfig",
+    "GRPOConfig",
+    "RLOOConfig",
+    "SPGRPOTrainer",
+    "SPRLOOTrainer",
     "KTOConfig",
     "RewardConfig",
     "SPDPOTrainer",
@@ -59,6 +67,7 @@ if TYPE_CHECKING:
     from .attention.ulysses import ULYSSES_KEY, UlyssesAttention
     from .collators import SPDataCollator
     from .dpo import DPOConfig, SPDPOTrainer
+    from .grpo import GRPOConfig, RLOOConfig, SPGRPOTrainer, SPRLOOTrainer
     from .kto import KTOConfig, SPKTOTrainer
     from .parallel import SequenceParallel, apply_sequence_parallel
     from .reward import RewardConfig, SPRewardTrainer

@@ -60,6 +60,8 @@ class _Hooks:
             handle.remove()
         self.handles.clear()
 
+    column_positions = False  # GRPO/RLOO: positions are column indices (left-padded prompts)
+
     def shard(self, kwargs, slots, grid, labels=None) -> PackedShard:
         topo = self.sp.topology
         return pack_and_shard(
@@ -71,6 +73,7 @@ class _Hooks:
             grid,
             labels,
             self.pad_token_id,
+            column_positions=self.column_positions,
         )
 
     def reduce(self, local: torch.Tensor, packed: PackedShard) -> torch.Tensor:

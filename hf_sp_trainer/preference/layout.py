@@ -28,11 +28,16 @@ class PackedShard:
     grid: tuple[int, ...]  # the output grid's shape (e.g. [rows, seq - 1] for per-token log-probs)
 
 
-def real_token_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """The ``[rows, seq]`` mask of real tokens; refuses anything but right padding (what TRL's collators produce)."""
+def real_token_mask(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, right_padded: bool = True
+) -> torch.Tensor:
+    """The ``[rows, seq]`` mask of real tokens; refuses anything but right padding (what TRL's collators produce)
+    unless ``right_padded=False`` (GRPO/RLOO: left-padded prompt + right-padded completion)."""
     if attention_mask is None:
         return torch.ones_like(input_ids, dtype=torch.bool)
     mask = attention_mask.bool()
+    if not right_padded:
+        return mask
     lengths = mask.sum(dim=1, keepdim=True)
     if not bool((mask == (torch.arange(mask.shape[1], device=mask.device) < lengths)).all()):
         raise ValueError(
@@ -51,17 +56,21 @@ def pack_and_shard(
     grid: tuple[int, ...],
     labels: torch.Tensor | None = None,
     pad_token_id: int = 0,
+    column_positions: bool = False,
 ) -> PackedShard:
     """Pack the real tokens of a right-padded ``[rows, seq]`` batch into one row and return ``sp_rank``'s shard.
 
     ``slots``: ``[rows, seq]`` output-grid index of each token (``-1``: none). ``labels``: next-token labels of the
     padded rows (``-100`` ignored), shifted here before packing and returned as ``shift_labels``.
+    ``column_positions``: each token keeps its column index as position (what transformers uses when a padded batch
+    is given without ``position_ids``; GRPO/RLOO's left-padded prompts), and any mask is accepted.
     """
-    mask = real_token_mask(input_ids, attention_mask)
-    batch = {
-        "input_ids": input_ids[mask].unsqueeze(0),
-        "position_ids": (mask.long().cumsum(dim=1) - 1)[mask].unsqueeze(0),
-    }
+    mask = real_token_mask(input_ids, attention_mask, right_padded=not column_positions)
+    if column_positions:
+        positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    else:
+        positions = mask.long().cumsum(dim=1) - 1
+    batch = {"input_ids": input_ids[mask].unsqueeze(0), "position_ids": positions[mask].unsqueeze(0)}
     if labels is not None:
         batch["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)[mask].unsqueeze(0)
     flat_slots = slots[mask]

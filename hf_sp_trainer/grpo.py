@@ -1,0 +1,202 @@
+"""``SPGRPOTrainer`` / ``SPRLOOTrainer``: TRL's online RL trainers with sequence parallelism (design: docs/grpo_design.md).
+
+Generation runs without SP (the model's own attention, full sequences; the SP group's first rank broadcasts its
+completions so every rank of the group holds the same ones). Scoring prompt+completion (policy, old policy, reference)
+runs sequence-parallel through the preference hooks (exact per-token log-probs / entropies on every SP rank). TRL's
+gathers, advantage slicing and normalisers see a data-parallel view of the accelerator (one copy per SP group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import trl
+
+from .arguments import SequenceParallelArguments
+from .memory import MemoryArguments
+from .preference.hooks import LogProbHooks
+from .preference.mixin import PreferenceSPMixin, refuse
+from .trainer import unwrap_model
+
+
+class PolicyLogProbHooks(LogProbHooks):
+    """``LogProbHooks`` for GRPO/RLOO batches (left-padded prompt + right-padded completion, column positions) that
+    step aside while the trainer generates."""
+
+    column_positions = True
+    passthrough = False
+
+    def before(self, module, args, kwargs):
+        return None if self.passthrough else super().before(module, args, kwargs)
+
+    def after(self, module, args, kwargs, output):
+        return None if self.passthrough else super().after(module, args, kwargs, output)
+
+
+class _DPWorldSize:
+    """Config mixin: TRL's generation-batch arithmetic counts data-parallel ranks (``world_size // sp_size``)."""
+
+    _sp_dp_world = False
+
+    @property
+    def world_size(self) -> int:
+        ws = super().world_size
+        return ws // self.sp_size if self._sp_dp_world and self.sp_size > 1 else ws
+
+    def _sp_post_init(self, post_init) -> None:
+        self._sp_dp_world = True
+        try:
+            post_init()
+        finally:
+            self._sp_dp_world = False
+        if self.sp_size > 1:
+            refuse(
+                {
+                    "use_vllm": self.use_vllm,
+                    "use_transformers_continuous_batching": getattr(
+                        self, "use_transformers_continuous_batching", False
+                    ),
+                    "use_liger_kernel": getattr(self, "use_liger_kernel", False),
+                },
+                "generation runs with transformers' generate and the loss with TRL's fused log-prob head",
+                "Use the default generation and loss, or sp_size=1.",
+            )
+        self._check_sequence_parallel()
+
+
+@dataclass
+class GRPOConfig(_DPWorldSize, SequenceParallelArguments, MemoryArguments, trl.GRPOConfig):
+    """``trl.GRPOConfig`` plus the sequence-parallel and memory-stack fields."""
+
+    def __post_init__(self):
+        self._sp_post_init(super().__post_init__)
+
+
+@dataclass
+class RLOOConfig(_DPWorldSize, SequenceParallelArguments, MemoryArguments, trl.RLOOConfig):
+    """``trl.RLOOConfig`` plus the sequence-parallel and memory-stack fields."""
+
+    def __post_init__(self):
+        self._sp_post_init(super().__post_init__)
+
+
+class OnlineRLSPMixin(PreferenceSPMixin):
+    """SP for TRL's GRPO and RLOO trainers."""
+
+    sp_hooks_cls = PolicyLogProbHooks
+
+    def __init__(self, *args, **kwargs):
+        self._sp_view_depth = 0
+        super().__init__(*args, **kwargs)
+
+    def sp_after_init(self) -> None:
+        super().sp_after_init()
+        refuse(
+            {
+                "vision-language model": getattr(self, "_is_vlm", False),
+                "tools": getattr(self, "tools", None),
+                "environments": getattr(self, "environments", None) or getattr(self, "environment_factory", None),
+            },
+            "only text tokens of single-turn completions are sharded",
+            "Use a text-only model and single-turn generation, or sp_size=1.",
+        )
+
+    # -- generation without SP ------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _sp_generation(self):
+        policy = unwrap_model(self.model)
+        for hooks in self._sp_hooks:
+            hooks.passthrough = True
+        self.sp.attention.detach(policy)
+        try:
+            yield
+        finally:
+            self.sp.attention.attach(policy)
+            for hooks in self._sp_hooks:
+                hooks.passthrough = False
+
+    def _generate_single_turn(self, *args, **kwargs):
+        if self.sp is None:
+            return super()._generate_single_turn(*args, **kwargs)
+        with self._sp_generation():
+            out = super()._generate_single_turn(*args, **kwargs)
+        # Every rank generated (RNG streams and any collectives in lock-step); the group's first rank's result wins.
+        topo = self.sp.topology
+        box = [out]
+        src = dist.get_global_rank(topo.sp_group, 0)
+        dist.broadcast_object_list(box, src=src, group=topo.sp_group)
+        return box[0]
+
+    # -- a data-parallel view of the accelerator --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _sp_dp_view(self):
+        if self.sp is None or self._sp_view_depth:
+            self._sp_view_depth += 1
+            try:
+                yield
+            finally:
+                self._sp_view_depth -= 1
+            return
+        acc, topo = self.accelerator, self.sp.topology
+        base = type(acc)
+        world, step = topo.dp_size * topo.sp_size, topo.sp_size
+
+        def dp_gather(tensor):
+            full = base.gather(acc, tensor)
+            if full.ndim == 0:
+                return full
+            return torch.cat(full.chunk(world)[0::step])
+
+        def dp_gather_object(obj):
+            from accelerate.utils import gather_object
+
+            full = gather_object(obj)
+            if len(full) % world:
+                raise RuntimeError(f"gather_object: {len(full)} items over {world} ranks are not equal per rank.")
+            n = len(full) // world
+            return [x for r in range(0, world, step) for x in full[r * n : (r + 1) * n]]
+
+        view = type(
+            f"DataParallelView{base.__name__}",
+            (base,),
+            {
+                "num_processes": property(lambda s: topo.dp_size),
+                "process_index": property(lambda s: topo.dp_rank),
+                "gather": lambda s, tensor: dp_gather(tensor),
+            },
+        )
+        module = sys.modules[next(c for c in type(self).__mro__ if c.__module__.startswith("trl.")).__module__]
+        saved = {"gather": module.gather, "gather_object": module.gather_object}
+        acc.__class__ = view
+        module.gather, module.gather_object = dp_gather, dp_gather_object
+        self._sp_view_depth += 1
+        try:
+            yield
+        finally:
+            self._sp_view_depth -= 1
+            acc.__class__ = base
+            module.gather, module.gather_object = saved["gather"], saved["gather_object"]
+
+    def training_step(self, *args, **kwargs):
+        with self._sp_dp_view():
+            return super().training_step(*args, **kwargs)
+
+    def _generate_and_score_completions(self, *args, **kwargs):
+        with self._sp_dp_view():
+            return super()._generate_and_score_completions(*args, **kwargs)
+
+    def compute_loss(self, *args, **kwargs):
+        with self._sp_dp_view():
+            return super().compute_loss(*args, **kwargs)
+
+
+class SPGRPOTrainer(OnlineRLSPMixin, trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` with sequence parallelism over ``args.sp_size`` ranks; ``sp_size=1`` is exactly TRL."""
+
+
+class SPRLOOTrainer(OnlineRLSPMixin, trl.RLOOTrainer):
+    """``trl.RLOOTrainer`` with sequence parallelism over ``args.sp_size`` ranks; ``sp_size=1`` is exactly TRL."""
