@@ -18,9 +18,11 @@ setup(
         "console_scripts": [
             "hf-sp-sft = hf_sp_trainer.cli.launch:main",
             "hf-sp-plan = hf_sp_trainer.cli.plan:main",
-            "hf-sp-dpo = hf_sp_trainer.cli.preference:main_dpo",
-            "hf-sp-reward = hf_sp_trainer.cli.preference:main_reward",
-            "hf-sp-kto = hf_sp_trainer.cli.preference:main_kto",
+            "hf-sp-dpo = hf_sp_trainer.cli.trl_commands:main_dpo",
+            "hf-sp-reward = hf_sp_trainer.cli.trl_commands:main_reward",
+            "hf-sp-kto = hf_sp_trainer.cli.trl_commands:main_kto",
+            "hf-sp-grpo = hf_sp_trainer.cli.trl_commands:main_grpo",
+            "hf-sp-rloo = hf_sp_trainer.cli.trl_commands:main_rloo",
         ]
     },
     package_data={"hf_sp_trainer.data": ["*.json"]},

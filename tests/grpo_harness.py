@@ -1,8 +1,14 @@
-"""GRPO / RLOO cases: the same run with single-process TRL and with the SP trainers (greedy generation, fp32)."""
+"""GRPO / RLOO cases: the same run with TRL and with the SP trainers (sampled completions, fp32).
+
+The reference is single-process TRL for dp = 1 and TRL on ``dp`` plain data-parallel processes for dp > 1: TRL seeds
+each process with ``seed + process_index``, so a data-parallel rank's completions are those its process samples, and
+the SP trainers give each SP group the seed of its data-parallel rank (``OnlineRLSPMixin``).
+"""
 
 from __future__ import annotations
 
 import functools
+import os
 import random
 import string
 from dataclasses import dataclass, field
@@ -13,6 +19,8 @@ import torch.distributed as dist
 from tests.harness import quiet_args, reset_backend_state, tiny_model
 
 SKIPPED = ("epoch", "step", "tokens_per_second_per_rank", "step_time_s", "peak_memory_mb", "mfu", "step_time")
+SKIPPED_EVAL = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "epoch")
+TOL = 1e-5
 
 
 @dataclass(frozen=True)
@@ -21,10 +29,13 @@ class RLCase:
     trainer: str = "grpo"  # grpo | rloo
     sp_size: int = 2
     world_size: int = 2
-    prompts_per_step: int = 2
+    prompts_per_step: int = 2  # per optimizer step, over all data-parallel ranks
     num_generations: int = 2
     steps: int = 2
     config: dict = field(default_factory=dict)
+    ref: bool = False  # beta > 0: the policy is given as a saved path and TRL loads the reference from it
+    lora: bool = False
+    evaluate: bool = False
 
     @property
     def dp_size(self) -> int:
@@ -40,8 +51,10 @@ def rl_dataset(n: int, seed: int):
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        words = rng.randint(2, 8)  # prompts of different lengths: left padding
-        rows.append({"prompt": " ".join("".join(rng.choice(string.ascii_lowercase) for _ in range(3)) for _ in range(words))})
+        words = rng.randint(1, 4)  # prompts of different lengths (left padding), shorter than the completions
+        rows.append(
+            {"prompt": " ".join("".join(rng.choice(string.ascii_lowercase) for _ in range(3)) for _ in range(words))}
+        )
     return Dataset.from_list(rows)
 
 
@@ -50,56 +63,133 @@ def reward_len_and_vowels(completions, **kwargs):
     return [float(len(c)) / 8.0 + sum(ch in "aeiou" for ch in c) for c in completions]
 
 
+def save_policy(model, path: str) -> str:
+    """Write ``model`` to ``path`` on this rank (``save_pretrained`` writes on rank 0 only under torch.distributed)."""
+    from safetensors.torch import save_file
+
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(path, "model.safetensors"))
+    return path
+
+
 def train_rl_case(case: RLCase, sp: bool, out_dir: str) -> dict:
+    """One run: the SP trainer (``sp=True``), or TRL's own in this process group (one process, or the dp ranks)."""
+    import peft
     import trl
 
     import hf_sp_trainer as hst
     from hf_sp_trainer.data import build_char_tokenizer
 
     reset_backend_state()
-    kind = {"grpo": ("GRPOConfig", "GRPOTrainer"), "rloo": ("RLOOConfig", "RLOOTrainer")}[case.trainer]
-    config_cls, trainer_cls = (getattr(hst, kind[0]), getattr(hst, "SP" + kind[1])) if sp else (
-        getattr(trl, kind[0]),
-        getattr(trl, kind[1]),
-    )
-    per_device = case.prompts_per_step * case.num_generations // (case.dp_size if sp else 1)
+    config_name, trainer_name = {"grpo": ("GRPOConfig", "GRPOTrainer"), "rloo": ("RLOOConfig", "RLOOTrainer")}[
+        case.trainer
+    ]
+    if sp:
+        config_cls, trainer_cls = getattr(hst, config_name), getattr(hst, "SP" + trainer_name)
+    else:
+        config_cls, trainer_cls = getattr(trl, config_name), getattr(trl, trainer_name)
+    dp = dist.get_world_size() // (case.sp_size if sp else 1) if dist.is_initialized() else 1
     common = quiet_args(out_dir, case.steps) | dict(
         learning_rate=1e-3,
-        per_device_train_batch_size=per_device,
+        per_device_train_batch_size=case.prompts_per_step * case.num_generations // dp,
+        per_device_eval_batch_size=case.prompts_per_step * case.num_generations // dp,
         num_generations=case.num_generations,
-        max_completion_length=12,
-        generation_kwargs={"do_sample": False},
+        num_generations_eval=case.num_generations,
+        max_completion_length=24,
         bf16=False,
-        beta=0.0,  # TODO: beta > 0 needs the policy as a saved path (TRL loads the reference from it)
+        beta=0.04 if case.ref or case.lora else 0.0,
         shuffle_dataset=False,
+        seed=7,
     )
+    if case.evaluate:
+        common |= dict(eval_strategy="steps", eval_steps=case.steps)
     common |= case.config
     if sp:
-        common |= dict(sp_size=case.sp_size, ddp_backend="gloo")
+        common |= dict(sp_size=case.sp_size)
+    if dist.is_initialized():
+        common |= dict(ddp_backend="gloo")
     model = tiny_model("llama")
+    if case.ref:
+        model = save_policy(model, os.path.join(out_dir, "policy"))
+        common["model_init_kwargs"] = {"dtype": torch.float32, "attn_implementation": "sdpa"}
+    peft_config = None
+    if case.lora:
+        peft_config = peft.LoraConfig(
+            r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"], task_type="CAUSAL_LM"
+        )
     trainer = trainer_cls(
         model=model,
         reward_funcs=reward_len_and_vowels,
         args=config_cls(**common),
         train_dataset=rl_dataset(case.prompts_per_step * case.steps * 2, seed=31),
+        eval_dataset=rl_dataset(case.prompts_per_step, seed=32) if case.evaluate else None,
         processing_class=build_char_tokenizer(),
+        peft_config=peft_config,
     )
+    init = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
+    shards = count_shards(trainer.model.get_base_model() if case.lora else trainer.model) if sp else {}
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
-    rank0 = not sp or dist.get_rank() == 0
-    params = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    evals = [e for e in trainer.state.log_history if "eval_loss" in e]
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    params = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
     return {
-        "losses": [e["loss"] for e in logs],
-        "grad_norms": [e["grad_norm"] for e in logs],
         "logs": [{k: v for k, v in e.items() if k not in SKIPPED} for e in logs],
+        "evals": [{k: v for k, v in e.items() if k not in SKIPPED_EVAL} for e in evals],
         "global_step": trainer.state.global_step,
         "params": params if rank0 else None,
-        "init": None,
+        "init": init if rank0 else None,
+        "model_type": type(trainer.model).__name__,
+        "shards": shards,
     }
 
 
-CASES = [RLCase("grpo_sp2"), RLCase("rloo_sp2", trainer="rloo")]
-TOL = 1e-5
+def count_shards(model) -> dict[str, int]:
+    """Test instrumentation (SP runs): forwards that ran on a shard (the SP hook passes ``shift_labels``), and those
+    where a sequence continues on the next rank: this rank's shard does not end with a sequence's last token (the
+    only token without a next-token label that follows one with a label)."""
+    counts = {"sharded": 0, "crossing": 0}
+
+    def hook(_module, _args, kwargs):
+        labels = kwargs.get("shift_labels")
+        if labels is not None:
+            counts["sharded"] += 1
+            ends_a_sequence = labels.shape[1] > 1 and labels[0, -1] == -100 and labels[0, -2] != -100
+            counts["crossing"] += int(not ends_a_sequence)
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)  # after the SP hook: sees this rank's shard
+    return counts
+
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+WORLD2 = [
+    RLCase("grpo_sp2_dapo_eval", evaluate=True),
+    RLCase("grpo_sp2_grpo_ref_iters2", ref=True, config={"loss_type": "grpo", "num_iterations": 2}),
+    RLCase("grpo_sp2_lora_bnpo", lora=True, config={"loss_type": "bnpo"}),
+    RLCase(
+        "grpo_sp2_dr_grpo_ga2_top_entropy",
+        config={"loss_type": "dr_grpo", "gradient_accumulation_steps": 2, "top_entropy_quantile": 0.5},
+    ),
+    RLCase("grpo_sp2_cispo_entropy_bonus", config={"loss_type": "cispo", "entropy_coef": 0.01}),
+    RLCase("grpo_sp2_sapo", config={"loss_type": "sapo"}),
+    RLCase("grpo_sp2_luspo_sequence_is", config={"loss_type": "luspo", "importance_sampling_level": "sequence"}),
+    RLCase("grpo_sp2_vespo_mask_truncated", config={"loss_type": "vespo", "mask_truncated_completions": True}),
+    RLCase("rloo_sp2_ref", trainer="rloo", ref=True),
+    RLCase("rloo_sp2_normalized_iters2", trainer="rloo", config={"normalize_advantages": True, "num_iterations": 2}),
+]
+WORLD4 = [
+    RLCase("grpo_dp2sp2", world_size=4, prompts_per_step=4, config={"loss_type": "grpo"}),
+    RLCase("rloo_dp2sp2_ref", trainer="rloo", world_size=4, prompts_per_step=4, ref=True),
+]
+CASES = WORLD2 + WORLD4
+
+
+def _reference_runs(cases: list[RLCase]) -> dict[str, dict]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return {c.name: train_rl_case(c, sp=False, out_dir=os.path.join(tmp, c.name)) for c in cases}
 
 
 @functools.cache
@@ -107,3 +197,51 @@ def sp_results(world_size: int) -> dict[str, dict]:
     from tests.harness import run_cases, run_distributed, unwrap_results
 
     return unwrap_results(run_distributed(world_size, run_cases, [c for c in CASES if c.world_size == world_size]))[0]
+
+
+@functools.cache
+def ddp_references(dp_size: int) -> dict[str, dict]:
+    """TRL's own trainers on ``dp_size`` plain data-parallel processes, for the cases with that many dp ranks."""
+    from tests.harness import run_distributed, unwrap_results
+
+    cases = [c for c in CASES if c.dp_size == dp_size]
+    return unwrap_results(run_distributed(dp_size, _reference_runs, cases))[0]
+
+
+def reference(case: RLCase, out_dir: str) -> dict:
+    if case.dp_size == 1:
+        return train_rl_case(case, sp=False, out_dir=out_dir)
+    return ddp_references(case.dp_size)[case.name]
+
+
+def diffs(ref: dict, got: dict) -> dict[str, float]:
+    """Relative differences: every logged training and eval metric (max over steps) and the trained parameters."""
+    from tests.harness import rel
+
+    out: dict[str, float] = {}
+    for kind in ("logs", "evals"):
+        assert len(ref[kind]) == len(got[kind]), (kind, ref[kind], got[kind])
+        for r, g in zip(ref[kind], got[kind], strict=True):
+            assert r.keys() == g.keys(), (sorted(r), sorted(g))
+            for key, value in r.items():
+                if value is None:
+                    assert g[key] is None, key
+                    continue
+                # The loss is a mean of advantage-weighted ratios, +-O(1) terms that cancel to ~0 on-policy: it is
+                # compared relative to max(|loss|, 1), the size of its terms. The KL is a mean of differences of
+                # per-token log-probs (policy - reference): relative to the size of those, for which the logged
+                # entropy (the mean -log p) stands in.
+                if key.endswith("loss"):
+                    d = abs(g[key] - value) / max(abs(value), 1.0)
+                elif key.endswith("kl"):
+                    d = abs(g[key] - value) / max(abs(value), r["entropy" if key == "kl" else "eval_entropy"])
+                else:
+                    d = rel(g[key], value)
+                out[key] = max(out.get(key, 0.0), d)
+    names = sorted(ref["params"])
+    p = torch.cat([got["params"][k].flatten() for k in names])
+    q = torch.cat([ref["params"][k].flatten() for k in names])
+    q0 = torch.cat([ref["init"][k].flatten() for k in names])
+    out["params"] = float((p - q).norm() / q.norm())
+    out["update"] = float((p - q).norm() / (q - q0).norm())
+    return out

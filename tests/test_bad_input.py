@@ -89,6 +89,34 @@ def _cases(tmp):
         apply_sequence_parallel(model, 2)
         model(input_ids=torch.randint(3, 100, (1, 8 + 2 * dist.get_rank())))
 
+    def grpo_with_vllm():
+        from hf_sp_trainer import GRPOConfig
+
+        GRPOConfig(output_dir=tmp, sp_size=2, use_vllm=True, use_cpu=True, report_to="none")
+
+    def grpo_with_rollout_func():
+        from hf_sp_trainer import GRPOConfig, SPGRPOTrainer
+        from hf_sp_trainer.data import build_char_tokenizer
+        from tests.grpo_harness import reward_len_and_vowels, rl_dataset
+
+        args = GRPOConfig(
+            output_dir=tmp,
+            sp_size=2,
+            use_cpu=True,
+            report_to="none",
+            per_device_train_batch_size=2,
+            num_generations=2,
+            ddp_backend="gloo",
+        )
+        SPGRPOTrainer(
+            model=tiny_model("llama"),
+            reward_funcs=reward_len_and_vowels,
+            args=args,
+            train_dataset=rl_dataset(4, 0),
+            processing_class=build_char_tokenizer(),
+            rollout_func=lambda prompts, trainer: {},
+        )
+
     return [
         sp_not_dividing_world,
         impossible_split,
@@ -98,6 +126,8 @@ def _cases(tmp):
         lengths_differ_in_group,
         padding_on_one_rank_only,
         shard_lengths_differ,
+        grpo_with_vllm,
+        grpo_with_rollout_func,
     ]
 
 
@@ -126,6 +156,8 @@ EXPECTED = {
     "lengths_differ_in_group": ["different shapes"],
     "padding_on_one_rank_only": ["attention_mask", "padding zeros"],
     "shard_lengths_differ": ["different shapes"],
+    "grpo_with_vllm": ["sp_size > 1", "use_vllm", "sp_size=1"],
+    "grpo_with_rollout_func": ["sp_size > 1", "rollout_func", "sp_size=1"],
 }
 
 

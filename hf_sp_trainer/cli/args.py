@@ -23,8 +23,9 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
     pass
 
 
-def make_parser(prog: str = "hf-sp-sft", config_cls: type | None = None):
-    """``config_cls``: the training config (default ``SFTConfig``; the preference commands pass theirs)."""
+def make_parser(prog: str = "hf-sp-sft", config_cls: type | None = None, script_args_cls: type | None = None):
+    """``config_cls``: the training config (default ``SFTConfig``; the other TRL commands pass theirs);
+    ``script_args_cls``: the script arguments (default TRL's ``ScriptArguments``; GRPO / RLOO add reward options)."""
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 
     from ..sft import SFTConfig
@@ -48,7 +49,7 @@ def make_parser(prog: str = "hf-sp-sft", config_cls: type | None = None):
                 return self.parse_known_args(args)
             return super().parse_args_into_dataclasses(args, return_remaining_strings, **kwargs)
 
-    parser = Parser((ScriptArguments, config_cls, ModelConfig, DatasetMixtureConfig), prog=prog)
+    parser = Parser((script_args_cls or ScriptArguments, config_cls, ModelConfig, DatasetMixtureConfig), prog=prog)
     parser.epilog = EPILOG
     parser.formatter_class = _HelpFormatter
     return parser

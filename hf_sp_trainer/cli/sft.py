@@ -24,8 +24,9 @@ def load_sft_dataset(script_args, dataset_args):
     return load_dataset(name, name=script_args.dataset_config, streaming=script_args.dataset_streaming)
 
 
-def train(script_args, training_args, model_args, dataset_args, trainer_cls=None) -> None:
-    """Train as TRL's scripts (``trl sft``, ``trl dpo``, ...) do, with ``trainer_cls`` (default ``SPSFTTrainer``)."""
+def train(script_args, training_args, model_args, dataset_args, trainer_cls=None, **trainer_kwargs) -> None:
+    """Train as TRL's scripts (``trl sft``, ``trl dpo``, ...) do, with ``trainer_cls`` (default ``SPSFTTrainer``) and
+    any further constructor arguments (GRPO / RLOO: ``reward_funcs``)."""
     from transformers import set_seed
     from trl import get_peft_config, get_quantization_config
 
@@ -49,6 +50,7 @@ def train(script_args, training_args, model_args, dataset_args, trainer_cls=None
         eval_dataset=dataset[eval_split] if training_args.eval_strategy != "no" and eval_split in dataset else None,
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
+        **trainer_kwargs,
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     trainer.save_model(training_args.output_dir)

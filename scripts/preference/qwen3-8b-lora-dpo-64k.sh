@@ -26,9 +26,9 @@ else
                  --num_train_epochs 1 --output_dir "${OUTPUT_DIR:-qwen3-8b-lora-dpo-64k}")
   MAX_LENGTH=${MAX_LENGTH:-65536}
 fi
-exec python -m hf_sp_trainer.cli.preference dpo "${MODEL_ARGS[@]}" "${HARDWARE_ARGS[@]}" \
+exec python -m hf_sp_trainer.cli.trl_commands dpo "${MODEL_ARGS[@]}" "${HARDWARE_ARGS[@]}" \
   --max_length "$MAX_LENGTH" --truncation_mode keep_end --beta 0.1 --loss_type sigmoid \
   --use_peft --lora_r 32 --lora_alpha 64 --lora_dropout 0 --lora_target_modules all-linear \
-  --per_device_train_batch_size 1 --gradient_accumulation_steps 8 --gradient_checkpointing true --tiled_mlp true \
+  --per_device_train_batch_size 1 --gradient_accumulation_steps 8 --activation_checkpointing true --tiled_mlp true \
   --learning_rate 5e-6 --lr_scheduler_type cosine --warmup_steps 0.03 \
   --logging_steps 1 --save_strategy steps --save_steps 200 --report_to none "$@"

@@ -1,8 +1,9 @@
-"""``hf-sp-dpo``, ``hf-sp-reward``, ``hf-sp-kto``: ``trl dpo`` / ``trl reward`` / ``trl kto`` with sequence parallelism.
+"""``hf-sp-dpo|reward|kto|grpo|rloo``: ``trl dpo|reward|kto|grpo|rloo`` with sequence parallelism.
 
-Each accepts every flag (and YAML key) of the matching ``trl <cmd>`` plus the SP and memory-stack flags, and launches
-like ``hf-sp-sft``: flags no dataclass knows (``--num_processes``, ``--accelerate_config``, ...) go to
-``accelerate launch``, which starts this module in every worker.
+Each accepts every flag (and YAML key) of the matching ``trl <cmd>`` plus the SP and memory-stack flags (GRPO / RLOO
+also take ``--reward_funcs`` and ``--reward_model_name_or_path`` as TRL does), and launches like ``hf-sp-sft``: flags
+no dataclass knows (``--num_processes``, ``--accelerate_config``, ...) go to ``accelerate launch``, which starts this
+module in every worker.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ COMMANDS = {
     "dpo": ("hf_sp_trainer.dpo", "DPOConfig", "SPDPOTrainer"),
     "reward": ("hf_sp_trainer.reward", "RewardConfig", "SPRewardTrainer"),
     "kto": ("hf_sp_trainer.kto", "KTOConfig", "SPKTOTrainer"),
+    "grpo": ("hf_sp_trainer.grpo", "GRPOConfig", "SPGRPOTrainer"),
+    "rloo": ("hf_sp_trainer.grpo", "RLOOConfig", "SPRLOOTrainer"),
 }
+ONLINE = ("grpo", "rloo")  # generate and reward: TRL's script arguments add the reward functions / model
 
 
 def _classes(command: str):
@@ -30,7 +34,14 @@ def _classes(command: str):
 def make_parser(command: str):
     from hf_sp_trainer.cli.args import make_parser as make_trl_parser
 
-    parser = make_trl_parser(prog=f"hf-sp-{command}", config_cls=_classes(command)[0])
+    script_args_cls = None
+    if command in ONLINE:
+        import importlib
+
+        script_args_cls = getattr(
+            importlib.import_module(f"trl.scripts.{command}"), f"{command.upper()}ScriptArguments"
+        )
+    parser = make_trl_parser(prog=f"hf-sp-{command}", config_cls=_classes(command)[0], script_args_cls=script_args_cls)
     parser.epilog = (
         f"\nlauncher flags (passed to `accelerate launch`, as with `trl {command}`):\n"
         "  --num_processes N        processes to start (world size = dp x sp); --accelerate_config NAME|FILE\n"
@@ -47,7 +58,38 @@ def worker(command: str, argv: list[str]) -> None:
     )[:4]
     if not dataset_args.datasets and not script_args.dataset_name:
         raise ValueError(f"hf-sp-{command} needs --dataset_name (or `datasets` in a YAML config).")
-    train(script_args, training_args, model_args, dataset_args, trainer_cls=_classes(command)[1])
+    extra = {"reward_funcs": reward_functions(script_args)} if command in ONLINE else {}
+    train(script_args, training_args, model_args, dataset_args, trainer_cls=_classes(command)[1], **extra)
+
+
+def reward_functions(script_args) -> list:
+    """``--reward_model_name_or_path`` and ``--reward_funcs`` resolved as ``trl grpo`` / ``trl rloo`` do: TRL's
+    built-in names or a dotted import path (looked up from the working directory too)."""
+    import importlib
+
+    from trl import rewards
+
+    builtin = {
+        "accuracy_reward": lambda: rewards.accuracy_reward,
+        "reasoning_accuracy_reward": lambda: rewards.reasoning_accuracy_reward,
+        "think_format_reward": lambda: rewards.think_format_reward,
+        "get_soft_overlong_punishment": lambda: rewards.get_soft_overlong_punishment(
+            max_completion_len=1280, soft_punish_cache=256
+        ),
+    }
+    funcs: list = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
+    for name in script_args.reward_funcs or []:
+        if name in builtin:
+            funcs.append(builtin[name]())
+        elif "." in name:
+            module, attr = name.rsplit(".", 1)
+            sys.path.insert(0, os.getcwd())
+            funcs.append(getattr(importlib.import_module(module), attr))
+        else:
+            raise ValueError(f"Unknown reward function {name!r}: use one of {sorted(builtin)} or a dotted import path.")
+    if not funcs:
+        raise ValueError("Give --reward_funcs and/or --reward_model_name_or_path (as with `trl grpo` / `trl rloo`).")
+    return funcs
 
 
 def launch(command: str, argv: list[str] | None = None) -> int:
@@ -99,5 +141,13 @@ def main_kto() -> int:
     return launch("kto")
 
 
-if __name__ == "__main__":  # `python -m hf_sp_trainer.cli.preference <command> <flags>`: launcher and workers
+def main_grpo() -> int:
+    return launch("grpo")
+
+
+def main_rloo() -> int:
+    return launch("rloo")
+
+
+if __name__ == "__main__":  # `python -m hf_sp_trainer.cli.trl_commands <command> <flags>`: launcher and workers
     raise SystemExit(launch(sys.argv[1], sys.argv[2:]))
