@@ -20,11 +20,13 @@ def _options(help_text: str) -> set[str]:
     return set(re.findall(r"(?<![\w-])--[a-z][\w-]*", help_text))
 
 
-@pytest.mark.slow
 def test_help_accepts_every_trl_sft_option():
-    trl_help = subprocess.run([f"{BIN}/trl", "sft", "--help"], capture_output=True, text=True, env=ENV, check=True)
-    ours = subprocess.run([f"{BIN}/hf-sp-sft", "--help"], capture_output=True, text=True, env=ENV, check=True)
-    trl_options, our_options = _options(trl_help.stdout), _options(ours.stdout)
+    """Every option of `trl sft --help` is in `hf-sp-sft --help`, with the SP flags and the launcher flags."""
+    from trl.scripts.sft import make_parser as trl_parser
+
+    from hf_sp_trainer.cli.args import make_parser
+
+    trl_options, our_options = _options(trl_parser().format_help()), _options(make_parser().format_help())
     assert len(trl_options) > 100
     assert trl_options <= our_options, sorted(trl_options - our_options)
     for flag in ("--sp_size", "--sp_attn_implementation", "--num_processes"):
@@ -65,7 +67,8 @@ def tiny_run(tmp_path_factory):
     ]  # fmt: skip
 
     def run(name, *launchers, flags=()):
-        """Run ``launchers`` (one per emulated node) concurrently with the common flags; return (loss, grad_norm)."""
+        """Run ``launchers`` (one per emulated node) concurrently with the common flags; return (loss, grad_norm).
+        Every launch must exit 0: 2-rank runs tear their process groups down cleanly (barrier, then destroy)."""
         out = root / name
         procs = [
             subprocess.Popen(
@@ -146,15 +149,6 @@ def test_cli_lora_sp2_matches_one_process(tiny_run, reference):
                                      "--use_cpu"])  # fmt: skip
     for got in (launched, torchrun):
         assert_same_steps(got, reference)
-
-
-@pytest.mark.slow
-def test_repeated_two_rank_runs_exit_cleanly(tiny_run):
-    """A finished run exits 0, every time (process groups torn down after a barrier)."""
-    for attempt in range(2):
-        steps = tiny_run(f"exit{attempt}", [f"{BIN}/hf-sp-sft", "--num_processes", "2", "--sp_size", "2"],
-                         flags=["--max_steps", "1"])  # fmt: skip
-        assert len(steps) == 1
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
-"""The CPU smoke variants of the launch scripts in scripts/lora/ and scripts/slurm/ (tiny model, 2 processes,
-sp_size 2)."""
+"""The CPU smoke variants (``SMOKE=1``: tiny model, 2 processes, sp_size 2) of every recipe in scripts/: LoRA SFT,
+the SLURM ZeRO-3 example, LoRA DPO and LoRA GRPO."""
 
+import json
 import os
 import subprocess
 import sys
@@ -8,40 +9,59 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # spawned process groups / launched jobs
+pytestmark = pytest.mark.slow  # launched jobs
 
-SCRIPTS = sorted(str(p) for p in (Path(__file__).parents[1] / "scripts" / "lora").glob("*.sh") if p.name[0] != "_")
+ROOT = Path(__file__).parents[1] / "scripts"
+LORA = sorted(str(p) for p in (ROOT / "lora").glob("*.sh") if p.name[0] != "_")
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: Path(s).stem)
-def test_lora_script_smoke(script, tmp_path):
+def run_smoke(script: Path | str, smoke_dir: Path) -> str:
+    """Run ``script`` with ``SMOKE=1``; it must exit 0. Returns its standard output."""
     env = {
         **os.environ,
         "SMOKE": "1",
-        "SMOKE_DIR": str(tmp_path),
-        "OMP_NUM_THREADS": "1",
-        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
-    }
-    done = subprocess.run(["bash", script], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert (tmp_path / "out" / "adapter_config.json").exists()  # a LoRA adapter was trained and saved
-    assert "Model saved to" in done.stdout
-
-
-def test_scripts_found():
-    assert len(SCRIPTS) == 3
-
-
-def test_slurm_zero3_offload_smoke(tmp_path):
-    """The SLURM example's recipe (torchrun, DeepSpeed ZeRO-3 with CPU offload, sp_size 2) on one CPU machine."""
-    script = Path(__file__).parents[1] / "scripts" / "slurm" / "sft-zero3-offload.sbatch"
-    env = {
-        **os.environ,
-        "SMOKE": "1",
-        "SMOKE_DIR": str(tmp_path),
+        "SMOKE_DIR": str(smoke_dir),
         "OMP_NUM_THREADS": "1",
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     }
     done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def logged(out: Path, key: str) -> list[int]:
+    """The steps whose log entry has ``key``."""
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    return [e["step"] for e in history if key in e]
+
+
+@pytest.mark.parametrize("script", LORA, ids=lambda s: Path(s).stem)
+def test_lora_script_smoke(script, tmp_path):
+    stdout = run_smoke(script, tmp_path)
+    assert (tmp_path / "out" / "adapter_config.json").exists()  # a LoRA adapter was trained and saved
+    assert "Model saved to" in stdout
+
+
+def test_scripts_found():
+    assert len(LORA) == 3
+
+
+def test_slurm_zero3_offload_smoke(tmp_path):
+    """The SLURM example's recipe (torchrun, DeepSpeed ZeRO-3 with CPU offload, sp_size 2) on one CPU machine."""
+    run_smoke(ROOT / "slurm" / "sft-zero3-offload.sbatch", tmp_path)
     assert (tmp_path / "out" / "trainer_state.json").exists()
+
+
+def test_long_context_dpo_recipe_smoke(tmp_path):
+    """scripts/preference/qwen3-8b-lora-dpo-64k.sh: hf-sp-dpo launched on 2 CPU processes."""
+    run_smoke(ROOT / "preference" / "qwen3-8b-lora-dpo-64k.sh", tmp_path)
+    assert (tmp_path / "out" / "adapter_config.json").exists()
+    assert logged(tmp_path / "out", "rewards/margins") == [1, 2]
+
+
+def test_long_completion_grpo_recipe_smoke(tmp_path):
+    """scripts/grpo/qwen3-4b-lora-grpo-long-completions.sh: hf-sp-grpo launched on 2 CPU processes, a reward
+    function given as a dotted import path."""
+    run_smoke(ROOT / "grpo" / "qwen3-4b-lora-grpo-long-completions.sh", tmp_path)
+    assert (tmp_path / "out" / "adapter_config.json").exists()
+    assert logged(tmp_path / "out", "rewards/vowels/mean") == [1, 2]
