@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import transformers
 import trl
 
 from .arguments import SequenceParallelArguments
@@ -38,7 +39,9 @@ class PolicyLogProbHooks(LogProbHooks):
 
 
 class _DPWorldSize:
-    """Config mixin: TRL's generation-batch arithmetic counts data-parallel ranks (``world_size // sp_size``)."""
+    """Config mixin: TRL's generation-batch arithmetic counts data-parallel ranks (``world_size // sp_size``);
+    ``TrainingArguments``' own post-init (DeepSpeed's batch arithmetic, ...) keeps the real world size
+    (``_RealWorldSize``, placed between TRL's config and ``TrainingArguments`` in the MRO)."""
 
     _sp_dp_world = False
 
@@ -68,8 +71,17 @@ class _DPWorldSize:
         self._check_sequence_parallel()
 
 
+class _RealWorldSize(transformers.TrainingArguments):
+    def __post_init__(self):
+        dp_world, self._sp_dp_world = self._sp_dp_world, False
+        try:
+            super().__post_init__()
+        finally:
+            self._sp_dp_world = dp_world
+
+
 @dataclass
-class GRPOConfig(_DPWorldSize, SequenceParallelArguments, MemoryArguments, trl.GRPOConfig):
+class GRPOConfig(_DPWorldSize, SequenceParallelArguments, MemoryArguments, trl.GRPOConfig, _RealWorldSize):
     """``trl.GRPOConfig`` plus the sequence-parallel and memory-stack fields."""
 
     def __post_init__(self):
@@ -77,7 +89,7 @@ class GRPOConfig(_DPWorldSize, SequenceParallelArguments, MemoryArguments, trl.G
 
 
 @dataclass
-class RLOOConfig(_DPWorldSize, SequenceParallelArguments, MemoryArguments, trl.RLOOConfig):
+class RLOOConfig(_DPWorldSize, SequenceParallelArguments, MemoryArguments, trl.RLOOConfig, _RealWorldSize):
     """``trl.RLOOConfig`` plus the sequence-parallel and memory-stack fields."""
 
     def __post_init__(self):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from tests.harness import quiet_args, reset_backend_state, tiny_model
+from tests.harness import backend_args, full_parameters, quiet_args, reset_backend_state, tiny_model
 
 SKIPPED = ("epoch", "step", "tokens_per_second_per_rank", "step_time_s", "peak_memory_mb", "mfu", "step_time")
 SKIPPED_EVAL = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "epoch")
@@ -36,6 +36,8 @@ class RLCase:
     ref: bool = False  # beta > 0: the policy is given as a saved path and TRL loads the reference from it
     lora: bool = False
     evaluate: bool = False
+    backend: str = "ddp"  # the SP run's: ddp | fsdp2 | zero1-3 (the reference runs plain TRL)
+    sp_config: dict = field(default_factory=dict)  # extra config fields for the SP run only
 
     @property
     def dp_size(self) -> int:
@@ -106,7 +108,7 @@ def train_rl_case(case: RLCase, sp: bool, out_dir: str) -> dict:
         common |= dict(eval_strategy="steps", eval_steps=case.steps)
     common |= case.config
     if sp:
-        common |= dict(sp_size=case.sp_size)
+        common |= dict(sp_size=case.sp_size) | backend_args(case.backend) | case.sp_config
     if dist.is_initialized():
         common |= dict(ddp_backend="gloo")
     model = tiny_model("llama")
@@ -127,13 +129,14 @@ def train_rl_case(case: RLCase, sp: bool, out_dir: str) -> dict:
         processing_class=build_char_tokenizer(),
         peft_config=peft_config,
     )
-    init = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
+    trainable = {k for k, v in trainer.model.named_parameters() if v.requires_grad}
+    init = {k: v for k, v in full_parameters(trainer.model).items() if k in trainable}
     shards = count_shards(trainer.model.get_base_model() if case.lora else trainer.model) if sp else {}
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
     evals = [e for e in trainer.state.log_history if "eval_loss" in e]
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    params = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
+    params = {k: v for k, v in full_parameters(trainer.model).items() if k in trainable}  # collective: every rank
     return {
         "logs": [{k: v for k, v in e.items() if k not in SKIPPED} for e in logs],
         "evals": [{k: v for k, v in e.items() if k not in SKIPPED_EVAL} for e in evals],
@@ -175,6 +178,9 @@ WORLD2 = [
     RLCase("grpo_sp2_sapo", config={"loss_type": "sapo"}),
     RLCase("grpo_sp2_luspo_sequence_is", config={"loss_type": "luspo", "importance_sampling_level": "sequence"}),
     RLCase("grpo_sp2_vespo_mask_truncated", config={"loss_type": "vespo", "mask_truncated_completions": True}),
+    RLCase("grpo_sp2_ring", config={"loss_type": "grpo"}, sp_config={"sp_ring_size": 2}),
+    RLCase("grpo_sp2_zero3_ref", backend="zero3", ref=True, config={"loss_type": "grpo"}),
+    RLCase("grpo_sp2_fsdp2", backend="fsdp2"),
     RLCase("rloo_sp2_ref", trainer="rloo", ref=True),
     RLCase("rloo_sp2_normalized_iters2", trainer="rloo", config={"normalize_advantages": True, "num_iterations": 2}),
 ]

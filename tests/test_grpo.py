@@ -13,11 +13,13 @@ def test_sp_rl_matches_trl(case, tmp_path):
     got = sp_results(case.world_size)[case.name]
     ref = reference(case, str(tmp_path))
     assert got["global_step"] == ref["global_step"] == case.steps
-    assert got["model_type"] == ref["model_type"] and ("Peft" in got["model_type"]) == case.lora
+    assert got["model_type"].removeprefix("FSDP") == ref["model_type"]  # FSDP2 renames the class it shards
+    assert ("Peft" in got["model_type"]) == case.lora
     assert any(e["grad_norm"] > 0 for e in ref["logs"])  # the completions differ: the step is not a no-op
     assert len(got["evals"]) == int(case.evaluate)
     assert got["shards"]["sharded"] > 0  # the policy's scoring forwards ran on shards (generation did not)
-    assert got["shards"]["crossing"] > 0  # some sequence is split between rank 0 and the next rank
+    if "sp_ring_size" not in case.sp_config:  # (zigzag gives rank 0 the row's first and last chunks)
+        assert got["shards"]["crossing"] > 0  # some sequence is split between rank 0 and the next rank
     found = diffs(ref, got)
     print(case.name, {k: f"{v:.2e}" for k, v in found.items()})
     for key, value in found.items():
