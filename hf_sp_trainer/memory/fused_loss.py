@@ -176,8 +176,6 @@ def _liger_sum(hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module, sof
     return out[0] if isinstance(out, tuple) else out
 
 
-
-
 def log_fused_by_trainer(args) -> None:
     """``fused_loss`` with a trainer whose loss is already fused (TRL's SFTTrainer): nothing to patch."""
     loss_type = getattr(args, "loss_type", "nll")
