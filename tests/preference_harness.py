@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from tests.harness import quiet_args, reset_backend_state, tiny_model
+from tests.harness import backend_args, full_parameters, quiet_args, reset_backend_state, tiny_model
 
 SKIPPED_LOG_KEYS = ("epoch", "step", "tokens_per_second_per_rank", "step_time_s", "peak_memory_mb", "mfu")
 SKIPPED_EVAL_KEYS = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "epoch")
@@ -158,7 +158,7 @@ def train_pref_case(case: PrefCase, sp: bool, out_dir: str) -> dict:
     )
     base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
     prompt_only = count_prompt_only_shards(base) if sp else [0]
-    init = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    init = full_parameters(trainer.model)
     trainer.train()
     eval_metrics = trainer.evaluate()
     predictions = None
@@ -167,7 +167,7 @@ def train_pref_case(case: PrefCase, sp: bool, out_dir: str) -> dict:
         predictions = torch.as_tensor(prediction.predictions).float()
     logs = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
     rank0 = not sp or dist.get_rank() == 0
-    params = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
+    params = full_parameters(trainer.model)  # collective under ZeRO-3 / FSDP2: every rank
     return {
         "losses": [e["loss"] for e in logs],
         "grad_norms": [e["grad_norm"] for e in logs],
@@ -237,6 +237,8 @@ WORLD2 = [
     PrefCase("reward_lora", trainer="reward", lora=True, **LONG_PROMPT),
     PrefCase("kto_ref_model", trainer="kto", batch_size=3),
     PrefCase("kto_lora_ga2", trainer="kto", batch_size=3, lora=True, grad_accum=2),
+    PrefCase("dpo_zero3_ref_model", sp_config=backend_args("zero3")),
+    PrefCase("kto_fsdp2", trainer="kto", batch_size=3, sp_config=backend_args("fsdp2")),
 ]
 WORLD4 = [
     PrefCase("dpo_dp2sp2", world_size=4),
@@ -264,7 +266,7 @@ def check_case(case: PrefCase, out_dir: str) -> dict[str, float]:
     diffs = compare(ref, got) | metric_diffs(ref, got, beta=case.config.get("beta", 0.1))
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
     assert got["global_step"] == ref["global_step"] == case.steps
-    assert got["model_type"] == ref["model_type"]
+    assert got["model_type"].removeprefix("FSDP") == ref["model_type"]  # FSDP2 renames the class it shards
     assert ("Peft" in got["model_type"]) == case.lora
     for key, value in diffs.items():
         if key not in ("params_tensor", "update"):  # informational (see harness.compare)
