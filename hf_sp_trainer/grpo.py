@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,24 @@ class PolicyLogProbHooks(LogProbHooks):
         return None if self.passthrough else super().after(module, args, kwargs, output)
 
 
+SP_GENERATION_MODES = ("replicate", "split")
+
+
+@dataclass
+class OnlineRLArguments:
+    """The GRPO / RLOO field for generation under SP."""
+
+    sp_generation: str = field(
+        default="replicate",
+        metadata={
+            "help": "How an SP group generates: 'replicate' (every rank generates all of the group's completions and "
+            "the first rank's are kept: the same samples as TRL's process for this data-parallel rank) or 'split' "
+            "(each rank generates 1/sp_size of them, gathered over the group: sp_size times less generation per "
+            "rank; sampled completions come from other random streams than TRL's, greedy ones are the same)."
+        },
+    )
+
+
 class _DPWorldSize:
     """Config mixin: TRL's generation-batch arithmetic counts data-parallel ranks (``world_size // sp_size``);
     ``TrainingArguments``' own post-init (DeepSpeed's batch arithmetic, ...) keeps the real world size
@@ -56,6 +74,8 @@ class _DPWorldSize:
             post_init()
         finally:
             self._sp_dp_world = False
+        if self.sp_generation not in SP_GENERATION_MODES:
+            raise ValueError(f"sp_generation={self.sp_generation!r}: use one of {SP_GENERATION_MODES}.")
         if self.sp_size > 1:
             refuse(
                 {
@@ -81,7 +101,9 @@ class _RealWorldSize(transformers.TrainingArguments):
 
 
 @dataclass
-class GRPOConfig(_DPWorldSize, SequenceParallelArguments, MemoryArguments, trl.GRPOConfig, _RealWorldSize):
+class GRPOConfig(
+    _DPWorldSize, OnlineRLArguments, SequenceParallelArguments, MemoryArguments, trl.GRPOConfig, _RealWorldSize
+):
     """``trl.GRPOConfig`` plus the sequence-parallel and memory-stack fields."""
 
     def __post_init__(self):
@@ -89,7 +111,9 @@ class GRPOConfig(_DPWorldSize, SequenceParallelArguments, MemoryArguments, trl.G
 
 
 @dataclass
-class RLOOConfig(_DPWorldSize, SequenceParallelArguments, MemoryArguments, trl.RLOOConfig, _RealWorldSize):
+class RLOOConfig(
+    _DPWorldSize, OnlineRLArguments, SequenceParallelArguments, MemoryArguments, trl.RLOOConfig, _RealWorldSize
+):
     """``trl.RLOOConfig`` plus the sequence-parallel and memory-stack fields."""
 
     def __post_init__(self):
@@ -103,6 +127,7 @@ class OnlineRLSPMixin(PreferenceSPMixin):
 
     def __init__(self, *args, **kwargs):
         self._sp_view_depth = 0
+        self._sp_generation_calls = 0
         super().__init__(*args, **kwargs)
         if self.sp is not None:
             # TRL seeds each process differently (``seed + process_index``) so that data-parallel ranks sample
@@ -115,7 +140,7 @@ class OnlineRLSPMixin(PreferenceSPMixin):
         super().sp_after_init()
         refuse(
             {
-                "vision-language model": getattr(self, "_is_vlm", False),
+                "vision-language model": getattr(self, "_is_vlm", False),  # (split generation passes no images)
                 "tools": getattr(self, "tools", None),
                 "rollout_func": getattr(self, "rollout_func", None),
                 "environments": getattr(self, "environments", None) or getattr(self, "environment_factory", None),
@@ -138,17 +163,37 @@ class OnlineRLSPMixin(PreferenceSPMixin):
             for hooks in self._sp_hooks:
                 hooks.passthrough = False
 
-    def _generate_single_turn(self, *args, **kwargs):
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
         if self.sp is None:
-            return super()._generate_single_turn(*args, **kwargs)
-        with self._sp_generation():
-            out = super()._generate_single_turn(*args, **kwargs)
-        # Every rank generated (RNG streams and any collectives in lock-step); the group's first rank's result wins.
+            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
         topo = self.sp.topology
+        if self.args.sp_generation == "split" and len(prompt_ids) >= topo.sp_size:
+            return self._sp_split_generation(prompt_ids, *args, **kwargs)
+        with self._sp_generation():
+            out = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        # Every rank generated (RNG streams and any collectives in lock-step); the group's first rank's result wins.
         box = [out]
-        src = dist.get_global_rank(topo.sp_group, 0)
-        dist.broadcast_object_list(box, src=src, group=topo.sp_group)
+        dist.broadcast_object_list(box, src=dist.get_global_rank(topo.sp_group, 0), group=topo.sp_group)
         return box[0]
+
+    def _sp_split_generation(self, prompt_ids, *args, **kwargs):
+        """Each SP rank generates a contiguous 1/sp of the rows (sampling from its own seeded stream, the global
+        one left untouched so the ranks stay in step), then the group gathers them in order."""
+        topo = self.sp.topology
+        n, sp = len(prompt_ids), topo.sp_size
+        mine = prompt_ids[topo.sp_rank * n // sp : (topo.sp_rank + 1) * n // sp]
+        self._sp_generation_calls += 1
+        devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
+        with self._sp_generation(), torch.random.fork_rng(devices=devices):
+            torch.manual_seed(hash((self.args.seed, self._sp_generation_calls, topo.dp_rank, topo.sp_rank)) % 2**63)
+            out = super()._generate_single_turn(mine, *args, **kwargs)
+        parts = [None] * sp
+        dist.all_gather_object(parts, out, group=topo.sp_group)
+        if not isinstance(out, tuple):  # RLOO: the completion ids
+            return [c for part in parts for c in part]
+        completions = [c for part, _ in parts for c in part]  # GRPO: (completion ids, log-probs or None)
+        logprobs = None if any(lp is None for _, lp in parts) else [x for _, lp in parts for x in lp]
+        return completions, logprobs
 
     # -- a data-parallel view of the accelerator --------------------------------------------------------------------
     @contextlib.contextmanager

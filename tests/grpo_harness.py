@@ -38,6 +38,8 @@ class RLCase:
     backend: str = "ddp"  # the SP run's: ddp | fsdp2 | zero1-3 (the reference runs plain TRL)
     sp_config: dict = field(default_factory=dict)  # extra config fields for the SP run only
     tol: float = 1e-5
+    no_op: bool = False  # greedy: every advantage is 0
+    compare: bool = True  # False: no TRL run gives the same samples (split generation, sampled)
 
     @property
     def dp_size(self) -> int:
@@ -63,6 +65,24 @@ def rl_dataset(n: int, seed: int):
 def reward_len_and_vowels(completions, **kwargs):
     """Deterministic: a function of the completion text only."""
     return [float(len(c)) / 8.0 + sum(ch in "aeiou" for ch in c) for c in completions]
+
+
+def recording_reward(seen: list):
+    """``reward_len_and_vowels`` that also records the completions it scores on this rank."""
+
+    def reward_len_and_vowels_recorded(completions, **kwargs):
+        seen.append(list(completions))
+        return reward_len_and_vowels(completions)
+
+    reward_len_and_vowels_recorded.__name__ = "reward_len_and_vowels"  # the metric names
+    return reward_len_and_vowels_recorded
+
+
+def same_within_sp_groups(seen: list, sp_size: int) -> bool:
+    """Every rank of each SP group scored the same completions (collective: every rank)."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, seen)
+    return all(everyone[r] == everyone[r - r % sp_size] for r in range(len(everyone)))
 
 
 def save_policy(model, path: str) -> str:
@@ -122,7 +142,7 @@ def train_rl_case(case: RLCase, sp: bool, out_dir: str) -> dict:
         )
     trainer = trainer_cls(
         model=model,
-        reward_funcs=reward_len_and_vowels,
+        reward_funcs=recording_reward(seen := []),
         args=config_cls(**common),
         train_dataset=rl_dataset(case.prompts_per_step * case.steps * 2, seed=31),
         eval_dataset=rl_dataset(case.prompts_per_step, seed=32) if case.evaluate else None,
@@ -145,6 +165,8 @@ def train_rl_case(case: RLCase, sp: bool, out_dir: str) -> dict:
         "init": init if rank0 else None,
         "model_type": type(trainer.model).__name__,
         "shards": shards,
+        "sp_ranks_agree": same_within_sp_groups(seen, case.sp_size) if sp and dist.is_initialized() else True,
+        "split_generations": getattr(trainer, "_sp_generation_calls", 0),
     }
 
 
@@ -166,6 +188,7 @@ def count_shards(model) -> dict[str, int]:
 
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+GREEDY = {"generation_kwargs": {"do_sample": False}, "gradient_accumulation_steps": 2}
 WORLD2 = [
     RLCase("grpo_sp2_dapo_eval", evaluate=True),
     RLCase("grpo_sp2_grpo_ref_iters2", ref=True, config={"loss_type": "grpo", "num_iterations": 2}),
@@ -182,6 +205,16 @@ WORLD2 = [
     RLCase("grpo_sp2_zero3_ref", backend="zero3", ref=True, config={"loss_type": "grpo"}),
     RLCase("grpo_sp2_fsdp2", backend="fsdp2"),
     RLCase("grpo_sp2_bf16", config={"bf16": True}, tol=3e-2),  # bf16 autocast on both sides: bf16 round-off
+    # split generation, greedy: each rank generates half of the rows; the same completions as TRL (steps are no-ops:
+    # greedy completions of one prompt are identical), gathered in order, with TRL's shuffles (grad accum 2)
+    RLCase("grpo_sp2_split_greedy", config=GREEDY, sp_config={"sp_generation": "split"}, no_op=True),
+    RLCase("rloo_sp2_split_greedy", trainer="rloo", config=GREEDY, sp_config={"sp_generation": "split"}, no_op=True),
+    RLCase(
+        "grpo_sp2_split_sampled",
+        config={"gradient_accumulation_steps": 2},
+        sp_config={"sp_generation": "split"},
+        compare=False,
+    ),  # fmt: skip
     RLCase("rloo_sp2_ref", trainer="rloo", ref=True),
     RLCase("rloo_sp2_normalized_iters2", trainer="rloo", config={"normalize_advantages": True, "num_iterations": 2}),
 ]

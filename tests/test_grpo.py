@@ -8,14 +8,16 @@ from tests.grpo_harness import CASES, diffs, reference, sp_results
 pytestmark = pytest.mark.slow  # spawned process groups
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", [c for c in CASES if c.compare], ids=lambda c: c.name)
 def test_sp_rl_matches_trl(case, tmp_path):
     got = sp_results(case.world_size)[case.name]
+    assert got["sp_ranks_agree"]  # every rank of a group scored the same completions
+    assert (got["split_generations"] > 0) == (case.sp_config.get("sp_generation") == "split")
     ref = reference(case, str(tmp_path))
     assert got["global_step"] == ref["global_step"] == case.steps
     assert got["model_type"].removeprefix("FSDP") == ref["model_type"]  # FSDP2 renames the class it shards
     assert ("Peft" in got["model_type"]) == case.lora
-    assert any(e["grad_norm"] > 0 for e in ref["logs"])  # the completions differ: the step is not a no-op
+    assert any(e["grad_norm"] > 0 for e in ref["logs"]) != case.no_op  # sampled completions differ: not a no-op
     assert len(got["evals"]) == int(case.evaluate)
     assert got["shards"]["sharded"] > 0  # the policy's scoring forwards ran on shards (generation did not)
     if "sp_ring_size" not in case.sp_config:  # (zigzag gives rank 0 the row's first and last chunks)
@@ -25,6 +27,14 @@ def test_sp_rl_matches_trl(case, tmp_path):
     for key, value in found.items():
         if key != "update":  # informational: Adam's first steps amplify round-off in tiny gradients
             assert value <= case.tol, f"{case.name}: {key} differs by {value:.3e} (relative)"
+
+
+def test_split_sampled_generation_keeps_the_group_in_step():
+    """sp_generation='split' with sampling: each rank samples half of the rows from its own stream; the group still
+    scores the same completions, takes the same shuffles (grad accum 2) and trains."""
+    got = sp_results(2)["grpo_sp2_split_sampled"]
+    assert got["split_generations"] > 0 and got["sp_ranks_agree"]
+    assert got["shards"]["sharded"] > 0 and all(e["grad_norm"] > 0 for e in got["logs"])
 
 
 @pytest.mark.parametrize("trainer", ["grpo", "rloo"])

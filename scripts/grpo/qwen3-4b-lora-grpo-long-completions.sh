@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # LoRA GRPO of Qwen3-4B with completions of up to 32K tokens, one node of 8 GPUs, sp_size 8: generation runs with the
-# model's own attention (each SP group generates once, its first rank broadcasts the completions); scoring
+# model's own attention, each GPU generating 1/8 of the group's completions (--sp_generation split); scoring
 # prompt + completion (policy, and the reference = the adapter-disabled policy) is split over the 8 GPUs. Needs a CUDA
 # GPU, the flash extra and `pip install math-verify` (accuracy_reward). DATASET: a hub name or local
 # json/jsonl/parquet file with a `prompt` and a `solution` column (e.g. trl-lib/DeepMath-103K).
@@ -37,6 +37,7 @@ else
 fi
 exec python -m hf_sp_trainer.cli.trl_commands grpo "${MODEL_ARGS[@]}" "${HARDWARE_ARGS[@]}" "${LENGTHS[@]}" \
   --num_generations 8 --per_device_train_batch_size 8 --gradient_accumulation_steps 1 --loss_type dapo --beta 0.0 \
+  --sp_generation split \
   --use_peft --lora_r 32 --lora_alpha 64 --lora_dropout 0 --lora_target_modules all-linear \
   --activation_checkpointing true --tiled_mlp true --learning_rate 1e-5 --lr_scheduler_type cosine --warmup_steps 0.03 \
   --logging_steps 1 --save_strategy steps --save_steps 100 --report_to none "$@"
