@@ -215,6 +215,9 @@ WORLD2 = [
         sp_config={"sp_generation": "split"},
         compare=False,
     ),  # fmt: skip
+    RLCase("rloo_sp2_zero3_split_greedy", trainer="rloo", backend="zero3", config=GREEDY,
+           sp_config={"sp_generation": "split"}, no_op=True),  # fmt: skip
+    RLCase("grpo_sp2_zero2_ref", backend="zero2", ref=True),
     RLCase("rloo_sp2_ref", trainer="rloo", ref=True),
     RLCase("rloo_sp2_normalized_iters2", trainer="rloo", config={"normalize_advantages": True, "num_iterations": 2}),
 ]
