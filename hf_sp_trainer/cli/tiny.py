@@ -1,8 +1,12 @@
 """``python -m hf_sp_trainer.cli.tiny DIR``: a tiny random Llama (the main job's shipped config), the offline
-tokenizer, and a small passkey jsonl dataset — what the CPU smoke variants of ``scripts/lora/`` train on."""
+tokenizer, a small passkey jsonl dataset, and random-word preference pairs (``dpo.jsonl``) and prompts
+(``prompts.jsonl``) — what the CPU smoke variants of the recipes in ``scripts/`` train on."""
 
 from __future__ import annotations
 
+import json
+import random
+import string
 import sys
 from pathlib import Path
 
@@ -16,7 +20,23 @@ def write_tiny_assets(out: str, num_examples: int = 16, min_chars: int = 256, ma
     build_model("sdpa").save_pretrained(root / "model")
     build_char_tokenizer().save_pretrained(root / "model")
     passkey_dataset(num_examples, min_chars, max_chars, seed=0).to_json(str(root / "data.jsonl"))
+    write_word_rows(root / "dpo.jsonl", num_examples, (20, 60), chosen=3, rejected=2)
+    write_word_rows(root / "prompts.jsonl", num_examples, (5, 20))
     return root
+
+
+def write_word_rows(path: Path, n: int, prompt_words: tuple[int, int], **answers: int) -> None:
+    """``n`` rows of a random-word ``prompt`` ending in `` ->``, plus each of ``answers`` (column -> word count)."""
+    rng = random.Random(0)
+
+    def words(k: int) -> str:
+        return " ".join("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 6))) for _ in range(k))
+
+    with open(path, "w") as f:
+        for _ in range(n):
+            row = {"prompt": words(rng.randint(*prompt_words)) + " ->"}
+            row |= {column: " " + words(count) for column, count in answers.items()}
+            f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

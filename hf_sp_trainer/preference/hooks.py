@@ -43,6 +43,8 @@ def _split_kwargs(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict
 
 
 class _Hooks:
+    column_positions = False  # GRPO/RLOO: positions are column indices (left-padded prompts)
+
     def __init__(self, sp: SequenceParallel, pad_token_id: int) -> None:
         self.sp = sp
         self.pad_token_id = pad_token_id
@@ -59,8 +61,6 @@ class _Hooks:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-
-    column_positions = False  # GRPO/RLOO: positions are column indices (left-padded prompts)
 
     def shard(self, kwargs, slots, grid, labels=None) -> PackedShard:
         topo = self.sp.topology

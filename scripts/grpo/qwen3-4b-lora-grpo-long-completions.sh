@@ -10,14 +10,6 @@ set -euo pipefail
 if [ "${SMOKE:-0}" = 1 ]; then
   SMOKE_DIR=${SMOKE_DIR:-$(mktemp -d)}
   python -m hf_sp_trainer.cli.tiny "$SMOKE_DIR" > /dev/null
-  python - "$SMOKE_DIR/prompts.jsonl" <<'PY'
-import json, random, string, sys
-rng = random.Random(0)
-words = lambda n: " ".join("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 6))) for _ in range(n))
-with open(sys.argv[1], "w") as f:
-    for _ in range(16):
-        f.write(json.dumps({"prompt": words(rng.randint(5, 20)) + " ->"}) + "\n")
-PY
   # a reward given as a dotted import path, found from the working directory as with `trl grpo`
   printf 'def vowels(completions, **kwargs):\n    return [float(sum(c in "aeiou" for c in x)) for x in completions]\n' \
     > "$SMOKE_DIR/smoke_rewards.py"

@@ -7,14 +7,6 @@ set -euo pipefail
 if [ "${SMOKE:-0}" = 1 ]; then
   SMOKE_DIR=${SMOKE_DIR:-$(mktemp -d)}
   python -m hf_sp_trainer.cli.tiny "$SMOKE_DIR" > /dev/null
-  python - "$SMOKE_DIR/dpo.jsonl" <<'PY'
-import json, random, string, sys
-rng = random.Random(0)
-words = lambda n: " ".join("".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 6))) for _ in range(n))
-with open(sys.argv[1], "w") as f:
-    for _ in range(16):
-        f.write(json.dumps({"prompt": words(rng.randint(20, 60)) + " ->", "chosen": " " + words(3), "rejected": " " + words(2)}) + "\n")
-PY
   MODEL_ARGS=(--model_name_or_path "$SMOKE_DIR/model" --dataset_name "$SMOKE_DIR/dpo.jsonl")
   HARDWARE_ARGS=(--num_processes 2 --sp_size 2 --attn_implementation sdpa --bf16 false --max_steps 2
                  --output_dir "$SMOKE_DIR/out")
