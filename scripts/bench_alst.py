@@ -1,7 +1,7 @@
 """Benchmark: ours vs DeepSpeed ALST Ulysses vs a single process, side by side, with the gradients checked.
 
     python scripts/bench_alst.py --lengths 2048 4096 8192 16384 --kv-heads 8 2 --repeats 3
-    python scripts/bench_alst.py --profile 4096 --kv-heads 2          # where a step's time and memory go
+    python scripts/bench_alst.py --profile 8192 16384 --kv-heads 8 2  # where a step's time and memory go
 
 The same random-init Llama (4 layers, hidden 256, 8 heads, ``--kv-heads`` kv heads, intermediate 688, vocab 1024,
 fp32, sdpa), the same tokens (one document per row, fixed seed) and the same optimizer step (forward + backward +
@@ -27,10 +27,13 @@ the resident size at the start of the step; collective calls and bytes sent per 
 ``deepspeed.dim_zero_all_to_all`` are counted as themselves: ``(W-1)/W`` of the input; all-gather: the input ``W-1``
 times; all-reduce: ``2 (W-1)/W`` of it); the loss and the gradients of the warm-up step against the single process
 (``grad_rel``: all parameters as one vector, ``grad_rel_tensor``: the worst tensor; every length starts from the same
-weights). Writes ``alst.csv``, ``alst.json``, ``alst.png``, ``alst.md`` to ``--out``. ``--profile N``: one profiled
-step (torch.profiler, CPU) of ours and of ALST at N tokens; rank 0's top ops by self CPU time, total CPU time and
-self memory, and the copy/fill ops, printed and written to ``profile_*.txt`` (an all-to-all's self time includes
-waiting for the other rank; on a loaded machine compare calls and bytes rather than times).
+weights). Writes ``alst.csv``, ``alst.json``, ``alst.png``, ``alst.md`` to ``--out``. ``--profile N [N ...]``: one
+profiled step (torch.profiler, CPU) of ours and of ALST at each N tokens; rank 0's top ops by self CPU time, total CPU
+time and self memory, and the copy/fill ops, printed and written to ``profile_*.txt``, and ``profile_floor.md``: each
+method's self CPU time in SP communication (all-to-all / all-gather, forward and backward, waits included) and in
+everything else, and the *floor*, ALST's step without its SP communication over its whole step: the ratio ours / ALST
+would reach if our SP communication cost nothing while the model's own work stayed the same (an all-to-all's self
+time includes waiting for the other rank; on a loaded machine compare calls and bytes rather than times).
 """
 
 from __future__ import annotations
@@ -228,7 +231,7 @@ def _worker(rank, world, port, method, kv, args, ref_dir, results):
     model = _model(kv, device)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     prepare, group, scale = {"ours": _ours, "alst": _alst, "single": _single}[method](model, world, device)
-    for length in [args.profile] if args.profile else args.lengths:
+    for length in args.profile or args.lengths:
         model.load_state_dict(init)  # every length starts from the same weights, as the single process
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         batch, loss_fn = prepare(_row(length))
@@ -237,7 +240,7 @@ def _worker(rank, world, port, method, kv, args, ref_dir, results):
         with CommCounter() as counter:  # the warm-up step: counted, its gradients compared
             loss = _step(model, opt, batch, loss_fn, group, scale, capture=grads)
         if args.profile:
-            _profile(model, opt, batch, loss_fn, group, scale, rank, method, kv, length, args)
+            results.append(_profile(model, opt, batch, loss_fn, group, scale, rank, method, kv, length, args))
             continue
         times = []
         for _ in range(args.repeats):
@@ -294,7 +297,7 @@ def _result(method, kv, length, world, threads, ranks) -> dict:
 
 
 # -- profile mode -----------------------------------------------------------------------------------------------
-def _profile(model, opt, batch, loss_fn, group, scale, rank, method, kv, length, args) -> None:
+def _profile(model, opt, batch, loss_fn, group, scale, rank, method, kv, length, args) -> dict:
     from torch.autograd.profiler_util import EventList
     from torch.profiler import ProfilerActivity, profile
 
@@ -302,9 +305,12 @@ def _profile(model, opt, batch, loss_fn, group, scale, rank, method, kv, length,
     _sync(args.device, group)
     with profile(activities=activities, profile_memory=True) as prof:
         _step(model, opt, batch, loss_fn, group, scale)
-    if rank != 0:
-        return
     table = prof.key_averages()
+    sp_comm = sum(e.self_cpu_time_total for e in table if _is_sp_comm(e.key)) / 1e6
+    times = {"method": method, "kv_heads": kv, "length": length, "rank": rank, "sp_comm_s": sp_comm,
+             "total_s": sum(e.self_cpu_time_total for e in table) / 1e6}  # fmt: skip
+    if rank != 0:
+        return times
     copies = EventList([e for e in table if e.key in COPY_OPS], profile_memory=True)  # exact calls, bytes
     keys = ("self_cpu_time_total", "cpu_time_total", "self_cpu_memory_usage")
     if args.device == "cuda":
@@ -318,6 +324,32 @@ def _profile(model, opt, batch, loss_fn, group, scale, rank, method, kv, length,
     print(text, flush=True)
     with open(os.path.join(args.out, f"profile_{method}_kv{kv}_{length}.txt"), "w") as f:
         f.write(text)
+    return times
+
+
+def _is_sp_comm(key: str) -> bool:
+    """The SP collectives (all-to-all, the all-gather of ALST's loss) and their backward; not the gradient
+    all-reduce, which data parallelism does the same way."""
+    return "all_to_all" in key or "allgather" in key or "all_gather" in key or key.startswith("c10d::alltoall")
+
+
+def floor_table(rows: list[dict]) -> str:
+    """Per kv heads and length (rank 0): step and SP-communication CPU seconds of ours and ALST, and the floor."""
+    by = {(r["method"], r["kv_heads"], r["length"]): r for r in rows if r["rank"] == 0}
+    lines = [
+        "| kv | length | ours: step / SP comm (s) | ALST: step / SP comm (s) | ours / ALST "
+        "| floor: ALST without SP comm |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for kv, length in dict.fromkeys((r["kv_heads"], r["length"]) for r in rows):
+        o, a = by.get(("ours", kv, length)), by.get(("alst", kv, length))
+        if o and a:
+            lines.append(
+                f"| {kv} | {length} | {o['total_s']:.2f} / {o['sp_comm_s']:.2f} | {a['total_s']:.2f} / "
+                f"{a['sp_comm_s']:.2f} | {o['total_s'] / a['total_s']:.2f} | "
+                f"{(a['total_s'] - a['sp_comm_s']) / a['total_s']:.2f} |"
+            )
+    return "\n".join(lines)
 
 
 # -- output -----------------------------------------------------------------------------------------------------
@@ -370,7 +402,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--single-threads", type=int, default=0, help="threads of the single process (0: all cores)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--profile", type=int, default=0, help="profile one step of ours and ALST at this length")
+    parser.add_argument("--profile", type=int, nargs="*", default=[], help="profile ours and ALST at these lengths")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--out", default="docs/benchmarks/alst")
     args = parser.parse_args()
@@ -384,6 +416,10 @@ def main() -> None:
                 mp.spawn(_worker, args=(world, free_port(), method, kv, args, ref_dir, results), nprocs=world)
                 rows += list(results)
     if args.profile:
+        table = floor_table(rows)
+        with open(os.path.join(args.out, "profile_floor.md"), "w") as f:
+            f.write(table + "\n")
+        print(table)
         return
     for r in rows:
         print(f"{r['method']:>6} kv {r['kv_heads']} len {r['length']:>6}: {r['step_s']:.3f} s, "
