@@ -5,6 +5,12 @@ from __future__ import annotations
 import os
 import socket
 
+import torch
+
+# The benchmarks' model: a random-init Llama small enough for a 2-core CPU, long sequences dominate its step.
+HIDDEN, HEADS, LAYERS, VOCAB, INTERMEDIATE = 256, 8, 4, 1024, 688
+MODEL_META = dict(hidden=HIDDEN, heads=HEADS, layers=LAYERS, vocab=VOCAB, intermediate=INTERMEDIATE)  # for the JSON
+
 # glibc returns freed memory to the OS (large blocks unmapped, the heap trimmed), so VmHWM measures what a step
 # really needs instead of what the allocator kept from earlier steps. Inherited by spawned workers.
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
@@ -81,3 +87,25 @@ def pyplot():
         print("matplotlib not installed: no PNG (pip install -e '.[bench]')")
         return None
     return plt
+
+
+def bench_llama(kv_heads: int, attn: str = "sdpa", device: str = "cpu"):
+    """The benchmarks' Llama (seed 0, fp32): ``LAYERS`` layers, hidden ``HIDDEN``, ``HEADS`` heads, ``kv_heads``
+    kv heads, intermediate ``INTERMEDIATE``, vocab ``VOCAB``, no cache."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=kv_heads, max_position_embeddings=65536, use_cache=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).float().to(device)
+
+
+def packed_row(length: int, doc_size: int = 0) -> dict[str, torch.Tensor]:
+    """One row of ``length`` random tokens (seeded by ``length``) packed as documents of ``doc_size`` tokens (0: one
+    document), ``position_ids`` restarting at each; labels = tokens, each document's first token unlabelled."""
+    position_ids = torch.arange(length) % (doc_size or length)
+    input_ids = torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(length))
+    labels = input_ids.masked_fill(position_ids == 0, -100)
+    return {"input_ids": input_ids[None], "position_ids": position_ids[None], "labels": labels[None]}

@@ -45,36 +45,16 @@ import statistics
 import tempfile
 import time
 
+import _bench_common as bench
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from _bench_common import free_port, peak_mb, pyplot, reset_peak, rss_mb, set_malloc_env, write_table
 from torch.utils._python_dispatch import TorchDispatchMode
 
-HIDDEN, HEADS, LAYERS, VOCAB, INTERMEDIATE = 256, 8, 4, 1024, 688
 SP_METHODS = ("ours", "alst")
 COPY_OPS = tuple(f"aten::{op}" for op in "cat stack clone copy_ contiguous zeros fill_ repeat_interleave add_".split())
 A2A_OPS = ("hf_sp_trainer.all_to_all", "deepspeed.dim_zero_all_to_all", "c10d.alltoall_base_")
-
-
-def _model(kv_heads: int, device: str):
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=kv_heads, max_position_embeddings=65536, use_cache=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().to(device)
-
-
-def _row(length: int) -> dict[str, torch.Tensor]:
-    """One document of ``length`` tokens (fixed seed), labels = tokens (the first unlabelled)."""
-    input_ids = torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
-    position_ids = torch.arange(length)[None]
-    labels = input_ids.masked_fill(position_ids == 0, -100)
-    return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels}
 
 
 def _sent_bytes(name: str, args) -> int:
@@ -193,12 +173,12 @@ def _mem_reset(device) -> float:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device) / 2**20
-    reset_peak()
-    return rss_mb()
+    bench.reset_peak()
+    return bench.rss_mb()
 
 
 def _mem_peak(device) -> float:
-    return torch.cuda.max_memory_allocated(device) / 2**20 if device.startswith("cuda") else peak_mb()
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.startswith("cuda") else bench.peak_mb()
 
 
 def _sync(device, group) -> None:
@@ -228,13 +208,13 @@ def _worker(rank, world, port, method, kv, args, ref_dir, results):
         torch.cuda.set_device(device)
     if method != "single":
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    model = _model(kv, device)
+    model = bench.bench_llama(kv, device=device)
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     prepare, group, scale = {"ours": _ours, "alst": _alst, "single": _single}[method](model, world, device)
     for length in args.profile or args.lengths:
         model.load_state_dict(init)  # every length starts from the same weights, as the single process
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        batch, loss_fn = prepare(_row(length))
+        batch, loss_fn = prepare(bench.packed_row(length))
         grads = {}
         _sync(device, group)
         with CommCounter() as counter:  # the warm-up step: counted, its gradients compared
@@ -375,7 +355,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], out: str) -> None:
-    plt = pyplot()
+    plt = bench.pyplot()
     if plt is None:
         return
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
@@ -407,13 +387,13 @@ def main() -> None:
     parser.add_argument("--out", default="docs/benchmarks/alst")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    set_malloc_env()  # inherited by the workers
+    bench.set_malloc_env()  # inherited by the workers
     rows = []
     with tempfile.TemporaryDirectory() as ref_dir, mp.Manager() as manager:
         for kv in args.kv_heads:
             for method in SP_METHODS if args.profile else ("single", *SP_METHODS):  # single first: the reference
                 results, world = manager.list(), 1 if method == "single" else args.sp
-                mp.spawn(_worker, args=(world, free_port(), method, kv, args, ref_dir, results), nprocs=world)
+                mp.spawn(_worker, args=(world, bench.free_port(), method, kv, args, ref_dir, results), nprocs=world)
                 rows += list(results)
     if args.profile:
         table = floor_table(rows)
@@ -426,9 +406,9 @@ def main() -> None:
               f"peak {r['peak_mb_ranks']} MB (step {r['step_mb']:.0f}), sent {r['sent_mb']:.2f} MB, "
               f"grad rel {r['grad_rel']:.1e} (worst tensor {r['grad_rel_tensor']:.1e}, plain SUM x{r['sum_x']:.2f}), "
               f"loss {r['loss']:.5f}; {r['ops']}")  # fmt: skip
-    meta = {"model": dict(hidden=HIDDEN, heads=HEADS, layers=LAYERS, vocab=VOCAB, intermediate=INTERMEDIATE),
+    meta = {"model": bench.MODEL_META,
             "dtype": "float32", "attn": "sdpa", "cpus": os.cpu_count(), "args": vars(args)}  # fmt: skip
-    write_table(args.out, "alst", rows, meta)
+    bench.write_table(args.out, "alst", rows, meta)
     table = markdown(rows)
     with open(os.path.join(args.out, "alst.md"), "w") as f:
         f.write(table + "\n")

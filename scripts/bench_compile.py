@@ -20,23 +20,11 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _bench_common import free_port, write_table
-
-
-def _model():
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, max_position_embeddings=65536, use_cache=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
+from _bench_common import bench_llama, free_port, packed_row, write_table
 
 
 def _step(model, sp, length: int) -> tuple[float, dict[str, torch.Tensor]]:
-    ids = torch.randint(3, 1024, (1, length), generator=torch.Generator().manual_seed(length))
-    shard = sp.shard_batch({"input_ids": ids, "labels": ids.clone()})
+    shard = sp.shard_batch(packed_row(length))
     model.zero_grad(set_to_none=True)
     dist.barrier()
     start = time.perf_counter()
@@ -56,7 +44,7 @@ def _worker(rank: int, world: int, port: int, opts, out: dict) -> None:
 
     rows, grads = [], {}
     for mode in ("eager", "inductor"):
-        model = _model()
+        model = bench_llama(2)
         sp = apply_sequence_parallel(model, world)
         if mode == "inductor":
             counters.clear()

@@ -19,33 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _bench_common import free_port, peak_mb, reset_peak, set_malloc_env
-
-
-def _model(attn: str):
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=688,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=65536,
-        use_cache=False,
-    )
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn).float()
-
-
-def _row(length: int, doc_size: int) -> dict[str, torch.Tensor]:
-    doc = doc_size or length
-    position_ids = torch.arange(length) % doc
-    input_ids = torch.randint(3, 1024, (length,), generator=torch.Generator().manual_seed(length))
-    labels = input_ids.clone()
-    labels[position_ids == 0] = -100
-    return {"input_ids": input_ids[None], "position_ids": position_ids[None], "labels": labels[None]}
+from _bench_common import bench_llama, free_port, packed_row, peak_mb, reset_peak, set_malloc_env
 
 
 def _worker(rank, world, port, args, out_path):
@@ -54,12 +28,12 @@ def _worker(rank, world, port, args, out_path):
     dist.init_process_group("gloo")
     from hf_sp_trainer import apply_sequence_parallel
 
-    model = _model(args.attn)
+    model = bench_llama(4, attn=args.attn)
     sp = apply_sequence_parallel(model, world, attn_implementation=args.attn)
     rows = []
     for length in args.lengths:
         for doc_size in [d for d in args.doc_sizes if d < length]:
-            shard = sp.shard_batch(_row(length, doc_size))
+            shard = sp.shard_batch(packed_row(length, doc_size))
             times = []
             for repeat in range(args.repeats + 1):  # first run warms up
                 model.zero_grad(set_to_none=True)

@@ -45,31 +45,25 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _bench_common import free_port, peak_mb, pyplot, reset_peak, set_malloc_env, write_table
+from _bench_common import (
+    HEADS,
+    HIDDEN,
+    LAYERS,
+    MODEL_META,
+    bench_llama,
+    free_port,
+    packed_row,
+    peak_mb,
+    pyplot,
+    reset_peak,
+    set_malloc_env,
+    write_table,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
-HIDDEN, HEADS, LAYERS, VOCAB = 256, 8, 4, 1024
 HEAD_DIM, ELEM, ACC = HIDDEN // HEADS, 4, 4
 A2A_OPS = ("hf_sp_trainer.all_to_all", "c10d.alltoall_base_")
 ATTN_OPS = (*A2A_OPS, "c10d.send", "ring_shift")  # recv_ is counted as received, not sent
-
-
-def _model(kv_heads: int):
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=688, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=kv_heads, max_position_embeddings=65536, use_cache=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float()
-
-
-def _row(length: int, doc_size: int) -> dict[str, torch.Tensor]:
-    position_ids = torch.arange(length) % (doc_size or length)
-    input_ids = torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(length))
-    labels = input_ids.masked_fill(position_ids == 0, -100)
-    return {"input_ids": input_ids[None], "position_ids": position_ids[None], "labels": labels[None]}
 
 
 def _cases(args) -> list[tuple[int, int]]:
@@ -159,11 +153,11 @@ def _worker(rank, world, port, args, results):
     _count_ring_shifts()
     from hf_sp_trainer import apply_sequence_parallel
 
-    model = _model(args.kv_heads)
+    model = bench_llama(args.kv_heads)
     for ring in _splits(world):
         sp = apply_sequence_parallel(model, world, ring_size=ring, attn_implementation="sdpa")
         for length, doc in _cases(args):
-            shard = sp.shard_batch(_row(length, doc))
+            shard = sp.shard_batch(packed_row(length, doc))
             with CommCounter() as counter:  # the warm-up step, counted
                 _step(model, shard, length)
             times = []
@@ -238,7 +232,7 @@ def balance(args, rings: list[int]) -> list[dict]:
     torch.set_num_threads(1)  # one core per ring rank, as the workers (and steadier on a shared machine)
     for ring in rings:
         for length, doc in _cases(args):
-            position_ids = pad_to_multiple(_row(length, doc), 2 * ring)["position_ids"]
+            position_ids = pad_to_multiple(packed_row(length, doc), 2 * ring)["position_ids"]
             segments, seq_len = DocumentLayout.from_position_ids(position_ids).segments, position_ids.shape[1]
             for layout in ("zigzag", "contiguous"):
                 pairs = [w.pairs for w in measure_work(segments, seq_len, ring, layout=layout)]
@@ -342,7 +336,7 @@ def main() -> None:
               f"{r['ops']}")  # fmt: skip
     rings = sorted({r for sp in args.sp for r in _splits(sp) if r > 1})
     spread = balance(args, rings)
-    meta = {"model": dict(hidden=HIDDEN, heads=HEADS, kv_heads=args.kv_heads, layers=LAYERS, vocab=VOCAB),
+    meta = {"model": {**MODEL_META, "kv_heads": args.kv_heads},
             "dtype": "float32", "attn": "sdpa", "cpus": os.cpu_count(), "args": vars(args)}  # fmt: skip
     write_table(args.out, "ring", rows, meta)
     write_table(args.out, "ring_balance", spread, meta)
