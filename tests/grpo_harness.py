@@ -214,12 +214,24 @@ WORLD2 = [
         config={"gradient_accumulation_steps": 2},
         sp_config={"sp_generation": "split"},
         compare=False,
-    ),  # fmt: skip
-    RLCase("rloo_sp2_zero3_split_greedy", trainer="rloo", backend="zero3", config=GREEDY,
-           sp_config={"sp_generation": "split"}, no_op=True),  # fmt: skip
+    ),
+    RLCase(
+        "rloo_sp2_zero3_split_greedy",
+        trainer="rloo",
+        backend="zero3",
+        config=GREEDY,
+        sp_config={"sp_generation": "split"},
+        no_op=True,
+    ),
     RLCase("grpo_sp2_zero2_ref", backend="zero2", ref=True),
     RLCase("rloo_sp2_ref", trainer="rloo", ref=True),
     RLCase("rloo_sp2_normalized_iters2", trainer="rloo", config={"normalize_advantages": True, "num_iterations": 2}),
+    RLCase("rloo_sp2_fsdp2", trainer="rloo", backend="fsdp2"),
+    RLCase(
+        "grpo_sp2_fsdp2_split_greedy", backend="fsdp2", config=GREEDY, sp_config={"sp_generation": "split"}, no_op=True
+    ),
+    RLCase("rloo_sp2_ring_bf16", trainer="rloo", config={"bf16": True}, sp_config={"sp_ring_size": 2}, tol=3e-2),
+    RLCase("grpo_sp2_zero1", backend="zero1"),
 ]
 WORLD4 = [
     RLCase("grpo_dp2sp2", world_size=4, prompts_per_step=4, config={"loss_type": "grpo"}),
