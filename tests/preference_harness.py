@@ -117,19 +117,22 @@ def build_model(case: PrefCase, out_dir: str, sp: bool):
     return model, (None if case.lora else tiny_model("llama")), tokenizer
 
 
-def train_pref_case(case: PrefCase, sp: bool, out_dir: str) -> dict:
+def train_pref_case(case: PrefCase, sp: bool, out_dir: str, ddp: bool = False) -> dict:
+    """One run: the SP trainer (``sp``), or TRL's own in one process with the global batch, or (``ddp``, on
+    ``dp_size`` spawned ranks) TRL's own as plain data parallelism."""
     import peft
 
     reset_backend_state()
     config_cls, trainer_cls = _trainer_classes(case.trainer, sp)
     global_batch = case.batch_size * case.dp_size
+    per_device = case.batch_size if sp or ddp else global_batch
     train = pref_dataset(case, global_batch * case.grad_accum * case.steps, seed=21)
     evals = pref_dataset(case, 2 * global_batch, seed=22)
     common = quiet_args(out_dir, case.steps) | dict(
         learning_rate=1e-3,
         gradient_accumulation_steps=case.grad_accum,
-        per_device_eval_batch_size=case.batch_size if sp else global_batch,
-        per_device_train_batch_size=case.batch_size if sp else global_batch,
+        per_device_eval_batch_size=per_device,
+        per_device_train_batch_size=per_device,
         dataset_num_proc=None,
         bf16=False,  # the equivalence is checked in fp32
         max_length=None,
@@ -139,6 +142,8 @@ def train_pref_case(case: PrefCase, sp: bool, out_dir: str) -> dict:
     common |= case.config
     if sp:
         common |= dict(sp_size=case.sp_size, ddp_backend="gloo") | case.sp_config
+    elif ddp:
+        common |= dict(ddp_backend="gloo")
     peft_config = None
     if case.lora:
         task = "SEQ_CLS" if case.trainer == "reward" else "CAUSAL_LM"
@@ -166,7 +171,7 @@ def train_pref_case(case: PrefCase, sp: bool, out_dir: str) -> dict:
         prediction = trainer.predict(trainer.eval_dataset.select(range(global_batch)))
         predictions = torch.as_tensor(prediction.predictions).float()
     logs = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
-    rank0 = not sp or dist.get_rank() == 0
+    rank0 = not (sp or ddp) or dist.get_rank() == 0
     params = full_parameters(trainer.model)  # collective under ZeRO-3 / FSDP2: every rank
     return {
         "losses": [e["loss"] for e in logs],
@@ -244,7 +249,10 @@ WORLD4 = [
     PrefCase("dpo_dp2sp2", world_size=4),
     PrefCase("dpo_sp4_prompt_only_shards", world_size=4, sp_size=4, **LONG_PROMPT),
     PrefCase("reward_dp2sp2_lora", trainer="reward", world_size=4, lora=True),
+    # TRL pairs KTO's KL completions within each data-parallel rank's batch: the reference is TRL on 2 DDP processes
+    PrefCase("kto_dp2sp2_ddp_reference", trainer="kto", world_size=4, batch_size=3),
 ]
+DDP_REFERENCE = ("kto",)  # trainers whose dp > 1 reference is TRL on dp processes, not one process
 TOL = 1e-5
 
 
@@ -257,12 +265,32 @@ def sp_results(world_size: int) -> dict[str, dict]:
     return unwrap_results(run_distributed(world_size, run_cases, cases))[0]
 
 
+def _reference_runs(cases: list[PrefCase]) -> dict[str, dict]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return {c.name: train_pref_case(c, sp=False, out_dir=os.path.join(tmp, c.name), ddp=True) for c in cases}
+
+
+@functools.cache
+def ddp_references(dp_size: int) -> dict[str, dict]:
+    """TRL's own trainers on ``dp_size`` plain data-parallel processes, for the cases that need them (rank 0's)."""
+    from tests.harness import run_distributed, unwrap_results
+
+    cases = [c for c in WORLD2 + WORLD4 if c.dp_size == dp_size and c.trainer in DDP_REFERENCE]
+    return unwrap_results(run_distributed(dp_size, _reference_runs, cases))[0]
+
+
 def check_case(case: PrefCase, out_dir: str) -> dict[str, float]:
-    """Train ``case`` with single-process TRL, compare with its SP run, assert every figure within ``TOL``."""
+    """Train ``case`` with TRL (one process, or dp processes for ``DDP_REFERENCE`` trainers), compare with its SP
+    run, assert every figure within ``TOL``."""
     from tests.harness import compare
 
     got = sp_results(case.world_size)[case.name]
-    ref = train_pref_case(case, sp=False, out_dir=out_dir)
+    if case.dp_size > 1 and case.trainer in DDP_REFERENCE:
+        ref = ddp_references(case.dp_size)[case.name]
+    else:
+        ref = train_pref_case(case, sp=False, out_dir=out_dir)
     diffs = compare(ref, got) | metric_diffs(ref, got, beta=case.config.get("beta", 0.1))
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
     assert got["global_step"] == ref["global_step"] == case.steps
