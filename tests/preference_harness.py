@@ -78,17 +78,20 @@ def _trainer_classes(kind: str, sp: bool):
     return (getattr(hst, config), getattr(hst, "SP" + trainer)) if sp else (getattr(trl, config), getattr(trl, trainer))
 
 
-def count_prompt_only_shards(model) -> list[int]:
-    """Test instrumentation (SP runs): counts the forwards whose shard on this rank holds no completion token."""
-    counter = [0]
+def count_shards(model) -> dict[str, int]:
+    """Test instrumentation (SP runs), after the SP hook so that it sees this rank's shards: the forwards whose shard
+    holds no completion token, and the tokens of the training forwards (what the throughput callback must count)."""
+    counts = {"prompt_only": 0, "training_tokens": 0}
 
-    def hook(_module, _args, kwargs):
+    def hook(module, _args, kwargs):
         labels = kwargs.get("shift_labels")
         if labels is not None and bool((labels == -100).all()):
-            counter[0] += 1
+            counts["prompt_only"] += 1
+        if module.training:
+            counts["training_tokens"] += kwargs["input_ids"].numel()
 
-    model.register_forward_pre_hook(hook, with_kwargs=True)  # after the SP hook: sees this rank's shard
-    return counter
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return counts
 
 
 def build_model(case: PrefCase, out_dir: str, sp: bool):
@@ -162,7 +165,7 @@ def train_pref_case(case: PrefCase, sp: bool, out_dir: str, ddp: bool = False) -
         **extra,
     )
     base = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
-    prompt_only = count_prompt_only_shards(base) if sp else [0]
+    shards = count_shards(base) if sp else {"prompt_only": 0, "training_tokens": 0}
     init = full_parameters(trainer.model)
     trainer.train()
     eval_metrics = trainer.evaluate()
@@ -171,6 +174,8 @@ def train_pref_case(case: PrefCase, sp: bool, out_dir: str, ddp: bool = False) -
         prediction = trainer.predict(trainer.eval_dataset.select(range(global_batch)))
         predictions = torch.as_tensor(prediction.predictions).float()
     logs = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
+    # the throughput callback's tokens of each logged step (one step per log): tokens/s x seconds per step
+    throughput_tokens = sum(e.get("tokens_per_second_per_rank", 0.0) * e.get("step_time_s", 0.0) for e in logs)
     rank0 = not (sp or ddp) or dist.get_rank() == 0
     params = full_parameters(trainer.model)  # collective under ZeRO-3 / FSDP2: every rank
     return {
@@ -181,7 +186,9 @@ def train_pref_case(case: PrefCase, sp: bool, out_dir: str, ddp: bool = False) -
         "eval_loss": eval_metrics["eval_loss"],
         "reward_predictions": predictions,
         "global_step": trainer.state.global_step,
-        "prompt_only_shards": prompt_only[0],
+        "prompt_only_shards": shards["prompt_only"],
+        "shard_tokens": shards["training_tokens"],
+        "throughput_tokens": throughput_tokens,
         "params": params if rank0 else None,
         "init": init if rank0 else None,
         "model_type": type(trainer.model).__name__,
@@ -296,6 +303,9 @@ def check_case(case: PrefCase, out_dir: str) -> dict[str, float]:
     assert got["global_step"] == ref["global_step"] == case.steps
     assert got["model_type"].removeprefix("FSDP") == ref["model_type"]  # FSDP2 renames the class it shards
     assert ("Peft" in got["model_type"]) == case.lora
+    # the throughput callback counts this rank's shards (under a PEFT wrapper too), not the padded batches
+    tokens = (got["throughput_tokens"], got["shard_tokens"])
+    assert tokens[1] > 0 and abs(tokens[0] / tokens[1] - 1) < 1e-4, f"{case.name}: throughput vs shard tokens {tokens}"
     for key, value in diffs.items():
         if key not in ("params_tensor", "update"):  # informational (see harness.compare)
             assert value <= TOL, f"{case.name}: {key} differs by {value:.3e} (relative)"
