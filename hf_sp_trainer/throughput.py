@@ -3,11 +3,12 @@
 Keys added to every training log entry (``state.log_history``, the progress bar / printer, and — when registered with
 ``add_throughput_callback`` — the ``report_to`` integrations), each measured on this process since the previous log:
 
-- ``tokens_per_second_per_rank``: tokens this rank fed to its model in training forwards, divided by the time spent
-  in those optimizer steps. Under sequence parallelism a rank processes its shard, ``s / sp_size`` tokens of every
-  sequence (SP padding included), so the job's throughput is this times the world size. Counted from the shape of
-  ``input_ids`` / ``inputs_embeds`` by a forward hook (``state.num_input_tokens_seen`` would not do: it counts the
-  whole batch, summed over all ranks);
+- ``tokens_per_second_per_rank``: tokens this rank fed to its model in training forwards (training mode, gradients on:
+  the no-grad forwards of generation and of reference / old-policy scoring in TRL's trainers are not counted), divided
+  by the time spent in those optimizer steps. Under sequence parallelism a rank processes its shard, ``s / sp_size``
+  tokens of every sequence (SP padding included), so the job's throughput is this times the world size. Counted from
+  the shape of ``input_ids`` / ``inputs_embeds`` by a forward hook (``state.num_input_tokens_seen`` would not do: it
+  counts the whole batch, summed over all ranks);
 - ``step_time_s``: mean time of an optimizer step, ``on_step_begin`` -> ``on_step_end`` (all its micro-batches; data
   loading, evaluation and checkpointing are outside);
 - ``peak_memory_mb``: peak memory in MiB; CUDA: ``max_memory_allocated``; CPU: ``VmHWM``, reset through
@@ -146,7 +147,8 @@ def _reset_vm_hwm() -> bool:
 
 
 class _Counter:
-    """Forward hook on the model: tokens (and with ``count_pairs`` attention pairs) of training forwards."""
+    """Forward hook on the model: tokens (and with ``count_pairs`` attention pairs) of training forwards (training
+    mode with gradients on)."""
 
     def __init__(self, count_pairs: bool, sp_attention: Any = None):
         self.count_pairs, self.sp_attention = count_pairs, sp_attention
@@ -161,7 +163,7 @@ class _Counter:
         return self.pairs_host + (float(self.pairs_device.item()) if self.pairs_device is not None else 0.0)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if not module.training:
+        if not (module.training and torch.is_grad_enabled()):
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")

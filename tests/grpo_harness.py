@@ -155,6 +155,8 @@ def train_rl_case(case: RLCase, sp: bool, out_dir: str) -> dict:
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
     evals = [e for e in trainer.state.log_history if "eval_loss" in e]
+    # the throughput callback's tokens of each logged step (one step per log): tokens/s x seconds per step
+    throughput_tokens = sum(e.get("tokens_per_second_per_rank", 0.0) * e.get("step_time_s", 0.0) for e in logs)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     params = {k: v for k, v in full_parameters(trainer.model).items() if k in trainable}  # collective: every rank
     return {
@@ -165,6 +167,7 @@ def train_rl_case(case: RLCase, sp: bool, out_dir: str) -> dict:
         "init": init if rank0 else None,
         "model_type": type(trainer.model).__name__,
         "shards": shards,
+        "throughput_tokens": throughput_tokens,
         "sp_ranks_agree": same_within_sp_groups(seen, case.sp_size) if sp and dist.is_initialized() else True,
         "split_generations": getattr(trainer, "_sp_generation_calls", 0),
     }
@@ -173,10 +176,13 @@ def train_rl_case(case: RLCase, sp: bool, out_dir: str) -> dict:
 def count_shards(model) -> dict[str, int]:
     """Test instrumentation (SP runs): forwards that ran on a shard (the SP hook passes ``shift_labels``), and those
     where a sequence continues on the next rank: this rank's shard does not end with a sequence's last token (the
-    only token without a next-token label that follows one with a label)."""
-    counts = {"sharded": 0, "crossing": 0}
+    only token without a next-token label that follows one with a label); and the tokens of the training forwards
+    (gradients on), what the throughput callback must count."""
+    counts = {"sharded": 0, "crossing": 0, "training_tokens": 0}
 
-    def hook(_module, _args, kwargs):
+    def hook(module, _args, kwargs):
+        if module.training and torch.is_grad_enabled():
+            counts["training_tokens"] += kwargs["input_ids"].numel()
         labels = kwargs.get("shift_labels")
         if labels is not None:
             counts["sharded"] += 1

@@ -87,7 +87,7 @@ def count_shards(model) -> dict[str, int]:
         labels = kwargs.get("shift_labels")
         if labels is not None and bool((labels == -100).all()):
             counts["prompt_only"] += 1
-        if module.training:
+        if module.training and torch.is_grad_enabled():
             counts["training_tokens"] += kwargs["input_ids"].numel()
 
     model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -132,6 +132,19 @@ def test_sequence_parallel_pairs():
     assert counter.tokens == 4 and counter.pairs() == 21 / 2
 
 
+def test_counts_only_forwards_that_train():
+    """Evaluation and no-grad forwards in training mode (TRL's generation, reference and old-policy scoring) are not
+    training tokens."""
+    counter = throughput._Counter(count_pairs=False)
+    module, batch = torch.nn.Linear(1, 1), {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
+    with torch.no_grad():
+        counter(module.train(), (), batch, None)
+    counter(module.eval(), (), batch, None)
+    assert counter.tokens == 0
+    counter(module.train(), (), batch, None)
+    assert counter.tokens == 4
+
+
 class _SyncProbe(TorchDispatchMode):
     """Counts device-to-host reads (``.item()``, ``bool()``, ``.tolist()`` all go through ``_local_scalar_dense``)."""
 
