@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from tests.harness import backend_args, full_parameters, quiet_args, reset_backend_state, tiny_model
+from tests.harness import (
+    backend_args,
+    full_parameters,
+    logged_throughput_tokens,
+    quiet_args,
+    reset_backend_state,
+    tiny_model,
+)
 
 SKIPPED = ("epoch", "step", "tokens_per_second_per_rank", "step_time_s", "peak_memory_mb", "mfu", "step_time")
 SKIPPED_EVAL = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "epoch")
@@ -155,8 +162,6 @@ def train_rl_case(case: RLCase, sp: bool, out_dir: str) -> dict:
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
     evals = [e for e in trainer.state.log_history if "eval_loss" in e]
-    # the throughput callback's tokens of each logged step (one step per log): tokens/s x seconds per step
-    throughput_tokens = sum(e.get("tokens_per_second_per_rank", 0.0) * e.get("step_time_s", 0.0) for e in logs)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     params = {k: v for k, v in full_parameters(trainer.model).items() if k in trainable}  # collective: every rank
     return {
@@ -167,7 +172,7 @@ def train_rl_case(case: RLCase, sp: bool, out_dir: str) -> dict:
         "init": init if rank0 else None,
         "model_type": type(trainer.model).__name__,
         "shards": shards,
-        "throughput_tokens": throughput_tokens,
+        "throughput_tokens": logged_throughput_tokens(logs),
         "sp_ranks_agree": same_within_sp_groups(seen, case.sp_size) if sp and dist.is_initialized() else True,
         "split_generations": getattr(trainer, "_sp_generation_calls", 0),
     }

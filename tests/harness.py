@@ -360,6 +360,17 @@ def assert_within(name: str, diffs: dict[str, float], tol: float) -> None:
             assert diffs[key] <= tol, f"{name}: {key} differs by {diffs[key]:.3e} (relative)"
 
 
+def logged_throughput_tokens(logs: list[dict]) -> float:
+    """The tokens the throughput callback counted over ``logs`` (one optimizer step per entry): tokens/s x step time."""
+    return sum(e.get("tokens_per_second_per_rank", 0.0) * e.get("step_time_s", 0.0) for e in logs)
+
+
+def assert_throughput_counts(counted: float, trained: int, name: str) -> None:
+    """The throughput callback counted the tokens of the shards the model trained on (not generation, no-grad
+    scoring or the padded batches a PEFT wrapper sees), up to the logged figures' 6 significant digits."""
+    assert trained > 0 and abs(counted / trained - 1) < 1e-4, f"{name}: throughput vs trained tokens {counted, trained}"
+
+
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 

@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from tests.harness import backend_args, full_parameters, quiet_args, reset_backend_state, tiny_model
+from tests.harness import (
+    backend_args,
+    full_parameters,
+    logged_throughput_tokens,
+    quiet_args,
+    reset_backend_state,
+    tiny_model,
+)
 
 SKIPPED_LOG_KEYS = ("epoch", "step", "tokens_per_second_per_rank", "step_time_s", "peak_memory_mb", "mfu")
 SKIPPED_EVAL_KEYS = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "epoch")
@@ -174,8 +181,6 @@ def train_pref_case(case: PrefCase, sp: bool, out_dir: str, ddp: bool = False) -
         prediction = trainer.predict(trainer.eval_dataset.select(range(global_batch)))
         predictions = torch.as_tensor(prediction.predictions).float()
     logs = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
-    # the throughput callback's tokens of each logged step (one step per log): tokens/s x seconds per step
-    throughput_tokens = sum(e.get("tokens_per_second_per_rank", 0.0) * e.get("step_time_s", 0.0) for e in logs)
     rank0 = not (sp or ddp) or dist.get_rank() == 0
     params = full_parameters(trainer.model)  # collective under ZeRO-3 / FSDP2: every rank
     return {
@@ -188,7 +193,7 @@ def train_pref_case(case: PrefCase, sp: bool, out_dir: str, ddp: bool = False) -
         "global_step": trainer.state.global_step,
         "prompt_only_shards": shards["prompt_only"],
         "shard_tokens": shards["training_tokens"],
-        "throughput_tokens": throughput_tokens,
+        "throughput_tokens": logged_throughput_tokens(logs),
         "params": params if rank0 else None,
         "init": init if rank0 else None,
         "model_type": type(trainer.model).__name__,
@@ -291,7 +296,7 @@ def ddp_references(dp_size: int) -> dict[str, dict]:
 def check_case(case: PrefCase, out_dir: str) -> dict[str, float]:
     """Train ``case`` with TRL (one process, or dp processes for ``DDP_REFERENCE`` trainers), compare with its SP
     run, assert every figure within ``TOL``."""
-    from tests.harness import compare
+    from tests.harness import assert_throughput_counts, compare
 
     got = sp_results(case.world_size)[case.name]
     if case.dp_size > 1 and case.trainer in DDP_REFERENCE:
@@ -303,9 +308,7 @@ def check_case(case: PrefCase, out_dir: str) -> dict[str, float]:
     assert got["global_step"] == ref["global_step"] == case.steps
     assert got["model_type"].removeprefix("FSDP") == ref["model_type"]  # FSDP2 renames the class it shards
     assert ("Peft" in got["model_type"]) == case.lora
-    # the throughput callback counts this rank's shards (under a PEFT wrapper too), not the padded batches
-    tokens = (got["throughput_tokens"], got["shard_tokens"])
-    assert tokens[1] > 0 and abs(tokens[0] / tokens[1] - 1) < 1e-4, f"{case.name}: throughput vs shard tokens {tokens}"
+    assert_throughput_counts(got["throughput_tokens"], got["shard_tokens"], case.name)
     for key, value in diffs.items():
         if key not in ("params_tensor", "update"):  # informational (see harness.compare)
             assert value <= TOL, f"{case.name}: {key} differs by {value:.3e} (relative)"
