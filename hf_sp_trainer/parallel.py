@@ -19,6 +19,7 @@ from transformers.utils import logging
 
 from .attention import UlyssesAttention, all_gather_along, validate_model_for_sp
 from .attention.ulysses import VARLEN_KEY, head_counts
+from .router_loss import RouterLoss, sp_router_loss
 from .sharding import SequenceSharding
 from .topology import SPTopology, sp_topology
 
@@ -33,6 +34,7 @@ class SequenceParallel:
     topology: SPTopology
     sharding: SequenceSharding
     attention: UlyssesAttention
+    router_loss: RouterLoss | None = None  # MoE models: the load-balancing loss as shares of the whole sequence's
 
     def shard_batch(self, batch: dict[str, Any], pad_token_id: int = 0) -> dict[str, Any]:
         """The full batch (the same on every rank of the SP group) -> this rank's shard, for ``model(**shard)``."""
@@ -45,6 +47,8 @@ class SequenceParallel:
     def remove(self) -> None:
         """Detach SP from the model: its attention is the inner kernel again."""
         self.attention.detach(self.model)
+        if self.router_loss is not None:
+            self.router_loss.detach()
 
 
 def compile_decoder_layers(model: torch.nn.Module, backend: str = "inductor", mode: str | None = None) -> int:
@@ -87,10 +91,13 @@ def apply_sequence_parallel(
     sharding = SequenceSharding(sp_size, ring)
     attention = UlyssesAttention(topology, sharding, kernel)
     attention.attach(model)
+    router_loss = sp_router_loss(model, topology.sp_group)
     if topology.rank == 0:
         heads, kv_heads = head_counts(model.config)
         logger.info(
             f"Sequence parallelism: sp_size={sp_size} = ulysses {ulysses} x ring {ring} for {heads} query / "
             f"{kv_heads} kv heads, kernel {kernel!r}, {topology.dp_size} data-parallel group(s)."
         )
-    return SequenceParallel(model=model, topology=topology, sharding=sharding, attention=attention)
+    return SequenceParallel(
+        model=model, topology=topology, sharding=sharding, attention=attention, router_loss=router_loss
+    )

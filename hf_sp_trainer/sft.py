@@ -46,3 +46,33 @@ class SPSFTTrainer(SequenceParallelMixin, trl.SFTTrainer):
             collator.padding_free = True
         elif self._is_vision_dataset:
             raise ValueError("Sequence parallelism (sp_size > 1) does not support vision datasets yet.")
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's loss; under SP with the MoE router loss on, TRL's shard-local aux term is replaced by the exact one.
+
+        TRL adds ``coef * aux / steps`` without the data-parallel ``x world`` factor of its token loss; each rank adds
+        ``sp_size x`` its share instead (so DDP's mean over the SP group adds the whole sequence's term once) and
+        logs the whole sequence's value. In evaluation the SP loss is already summed over the group: the value is
+        added once, as TRL does on one process.
+        """
+        router_loss = self.sp.router_loss if self.sp is not None else None
+        if router_loss is None or not self.aux_loss_enabled:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        self.aux_loss_enabled = False  # TRL neither adds nor logs it (the model still computes it: config)
+        try:
+            result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            self.aux_loss_enabled = True
+        loss, outputs = result if return_outputs else (result, None)
+        recorded = router_loss.take()
+        if recorded is None:
+            raise RuntimeError("The MoE router loss was enabled but the model's forward did not compute it.")
+        share, value = recorded
+        if model.training:
+            steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+            loss = loss + self.sp.topology.sp_size * self.router_aux_loss_coef * share / steps
+        else:
+            loss = loss + self.router_aux_loss_coef * value
+        mode = "train" if model.training else "eval"
+        self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(value.detach()).mean().item())
+        return (loss, outputs) if return_outputs else loss

@@ -6,7 +6,8 @@ shard, in this order:
 1. checks: no padding zeros in an ``attention_mask`` (SP needs ``position_ids`` packing), ``position_ids`` added;
 2. ``shift_labels`` on the full sequence, so the last token of a shard still predicts the first token of the next;
 3. padding to a multiple of ``sp_size`` (``2 x sp_size`` with a ring): a document of its own (``position_ids`` 0, 1,
-   ...), labels ``-100``, never attended by real tokens;
+   ...), labels ``-100``, never attended by real tokens, and marked by an ``attention_mask`` (0 on the padding) for
+   what counts tokens (the MoE router loss, as transformers excludes padding from it);
 4. with a ring of ``R`` ranks, the zigzag order: the sequence is cut into ``2R`` chunks and ring rank ``i`` takes
    chunks ``i`` and ``2R-1-i`` (causal work balanced over the ring);
 5. equal contiguous slices of that order, one per SP rank (``sp_rank = ring_rank x ulysses + ulysses_rank``).
@@ -45,6 +46,27 @@ def check_no_padding_mask(batch: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in batch.items() if k != "attention_mask"}
 
 
+def check_sp_padding(position_ids: torch.Tensor, mask: torch.Tensor, multiple: int) -> None:
+    """Refuse an ``attention_mask`` (of the full, unsharded sequence) whose zeros are not ``pad_to_multiple``'s: fewer
+    than ``multiple`` trailing tokens of every row, numbered 0, 1, ... (a document of their own)."""
+    length = mask.shape[-1]
+    zeros = mask == 0
+    count = zeros.sum(dim=-1, keepdim=True)
+    index = torch.arange(length, device=mask.device)
+    trailing = index >= length - count
+    sp_padding = (
+        bool((zeros == trailing).all())
+        and bool((count < multiple).all())
+        and bool((position_ids[zeros] == (index - (length - count))[zeros]).all())
+    )
+    if not sp_padding:
+        raise ValueError(
+            f"An attention_mask with {int(zeros.sum())} padding zeros (shape {list(mask.shape)}) was passed under "
+            "sequence parallelism; padded batches are not supported. Pack examples with position_ids instead "
+            "(hf_sp_trainer.SPDataCollator)."
+        )
+
+
 def add_position_ids(batch: dict[str, Any]) -> dict[str, Any]:
     if batch.get("position_ids") is not None:
         return batch
@@ -65,12 +87,15 @@ def pad_to_multiple(batch: dict[str, Any], multiple: int, pad_token_id: int = 0)
     """Pad every sequence tensor to a length divisible by ``multiple``.
 
     Padding gets ``position_ids`` 0, 1, 2, ... (a document of its own, never attended by real tokens), labels
-    ``-100``, token ``pad_token_id`` and zeros elsewhere.
+    ``-100``, token ``pad_token_id``, ``attention_mask`` 0 (1 on the real tokens) and zeros elsewhere.
     """
     length = sequence_length(batch)
     extra = -length % multiple
     if extra == 0:
         return batch
+    if batch.get("attention_mask") is None:
+        ref = batch["input_ids"] if batch.get("input_ids") is not None else batch["inputs_embeds"]
+        batch = {**batch, "attention_mask": torch.ones(ref.shape[:2], dtype=torch.long, device=ref.device)}
     out = {}
     for key, value in batch.items():
         if not _is_sequence_tensor(value, length):

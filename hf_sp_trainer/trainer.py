@@ -158,6 +158,9 @@ class SequenceParallelMixin:
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         if prediction_loss_only:
             inputs = loss_only_inputs(model, inputs)  # memory stack: the fused loss needs no logits
+        if self.sp is not None:  # MoE: per-token router logits are [b * s/P, experts], not gathered along the sequence
+            defaults = getattr(unwrap_model(model).config, "keys_to_ignore_at_inference", [])
+            ignore_keys = [*(defaults if ignore_keys is None else ignore_keys), "router_logits"]
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         if self.sp is not None:  # back to full sequences in the original order (padded to the SP multiple)
             logits, labels = (self._sp_gather_sequence(x) for x in (logits, labels))

@@ -28,6 +28,15 @@ FAMILIES = {
     "gemma3": "Gemma3TextConfig",
     "phi3": "Phi3Config",
 }
+MOE_FAMILIES = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig"}
+# MoE families with the router's load-balancing loss on (a coefficient large enough to matter in every comparison)
+MOE_ROUTER_LOSS = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5),
+    "qwen3_moe": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, output_router_logits=True,
+        router_aux_loss_coef=0.5,
+    ),
+}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -104,7 +113,7 @@ def unwrap_results(results: list[Any]) -> list[Any]:
 def tiny_model(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
     import transformers
 
-    config_cls = getattr(transformers, FAMILIES[family])
+    config_cls = getattr(transformers, FAMILIES.get(family) or MOE_FAMILIES[family])
     base = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -126,6 +135,7 @@ def tiny_model(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
         base.update(use_sliding_window=True, sliding_window=12, max_window_layers=1)
     if family == "gemma3":
         base.update(sliding_window=12, layer_types=["sliding_attention", "full_attention"])
+    base.update(MOE_ROUTER_LOSS.get(family, {}))
     base.update(overrides)
     config = config_cls(**base)
     torch.manual_seed(seed)
@@ -264,8 +274,9 @@ def quiet_args(out_dir: str, steps: int) -> dict:
     )
 
 
-def build_trainer(case: Case, sp: bool, out_dir: str, **extra_args):
-    """The ``case``'s model and trainer: plain ``Trainer`` in one process (``sp=False``) or ``SPTrainer``."""
+def build_trainer(case: Case, sp: bool, out_dir: str, ddp: bool = False, **extra_args):
+    """The ``case``'s model and trainer: plain ``Trainer`` in one process (``sp=False``), on ``dp`` DDP processes
+    (``ddp``: the reference where a loss is not a sum over tokens, e.g. the MoE router loss), or ``SPTrainer``."""
     import transformers
     from transformers import DataCollatorWithFlattening
 
@@ -296,7 +307,10 @@ def build_trainer(case: Case, sp: bool, out_dir: str, **extra_args):
         args = TrainingArguments(**common)
         trainer = SPTrainer(model=model, args=args, train_dataset=train, eval_dataset=evals)
     else:
-        args = transformers.TrainingArguments(per_device_train_batch_size=global_batch, **common)
+        per_device = case.batch_size if ddp else global_batch
+        args = transformers.TrainingArguments(
+            per_device_train_batch_size=per_device, **common, **(dict(ddp_backend="gloo") if ddp else {})
+        )
         collator = DataCollatorWithFlattening(return_position_ids=True)
         trainer = transformers.Trainer(
             model=model, args=args, train_dataset=train, eval_dataset=evals, data_collator=collator
@@ -309,9 +323,17 @@ def logged_steps(trainer) -> list[tuple[float, float]]:
     return [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
 
 
-def train_case(case: Case, sp: bool, out_dir: str) -> dict:
-    """Train ``case`` with plain ``Trainer`` (``sp=False``, one process) or ``SPTrainer``; return what to compare."""
-    model, trainer, evals = build_trainer(case, sp, out_dir)
+def _logits(predictions):
+    """The logits of ``Trainer.predict``'s predictions (MoE models return ``(logits, aux_loss, ...)``)."""
+    if isinstance(predictions, (tuple, list)):
+        return next(p for p in predictions if getattr(p, "ndim", 0) == 3)
+    return predictions
+
+
+def train_case(case: Case, sp: bool, out_dir: str, ddp: bool = False) -> dict:
+    """Train ``case`` with plain ``Trainer`` (``sp=False``: one process, or ``ddp`` processes) or ``SPTrainer``;
+    return what to compare."""
+    model, trainer, evals = build_trainer(case, sp, out_dir, ddp=ddp)
     init = {k: v.detach().clone() for k, v in model.named_parameters()}
     seen = record_inputs(model)
     trainer.train()
@@ -319,17 +341,18 @@ def train_case(case: Case, sp: bool, out_dir: str) -> dict:
     eval_loss = trainer.evaluate()["eval_loss"]
     prediction = trainer.predict(evals[: case.eval_batch_size])  # one batch: logits gathered back along the sequence
     logs = logged_steps(trainer)
-    params = full_parameters(model) if sp else {k: v.detach().clone() for k, v in model.named_parameters()}
+    distributed = sp or ddp
+    params = full_parameters(model) if distributed else {k: v.detach().clone() for k, v in model.named_parameters()}
     return {
         "losses": [loss for loss, _ in logs],
         "grad_norms": [norm for _, norm in logs],
         "eval_loss": eval_loss,
         "global_step": trainer.state.global_step,
         "empty_shards": empty_shards,
-        "predictions": torch.as_tensor(prediction.predictions).float(),
+        "predictions": torch.as_tensor(_logits(prediction.predictions)).float(),
         "test_loss": prediction.metrics["test_loss"],
-        "params": params if not sp or dist.get_rank() == 0 else None,
-        "init": init if not sp or dist.get_rank() == 0 else None,
+        "params": params if not distributed or dist.get_rank() == 0 else None,
+        "init": init if not distributed or dist.get_rank() == 0 else None,
     }
 
 
@@ -396,10 +419,11 @@ def compare(ref: dict, got: dict) -> dict[str, float]:
         assert pred_got.shape[1] >= pred_ref.shape[1], (pred_got.shape, pred_ref.shape)  # SP pads to a multiple of sp
         diffs["predict"] = float((pred_got[:, : pred_ref.shape[1]] - pred_ref).norm() / pred_ref.norm())
         diffs["test_loss"] = rel(got["test_loss"], ref["test_loss"])
+    if "eval_loss" in ref:
+        diffs["eval_loss"] = rel(got["eval_loss"], ref["eval_loss"])
     return diffs | {
         "loss": max(rel(a, b) for a, b in zip(got["losses"], ref["losses"], strict=True)),
         "grad_norm": max(rel(a, b) for a, b in zip(got["grad_norms"], ref["grad_norms"], strict=True)),
-        "eval_loss": rel(got["eval_loss"], ref["eval_loss"]),
         "params": (diff_sq / norm_sq) ** 0.5,
         "params_tensor": tensor_rel,
         "update": (upd_diff_sq / max(upd_sq, 1e-30)) ** 0.5,

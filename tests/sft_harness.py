@@ -24,6 +24,8 @@ class SFTCase:
     config: dict = field(default_factory=dict)  # extra SFTConfig fields for both runs
     lora: bool = False
     n_train: int = 0  # 0: exactly enough for `steps` optimizer steps
+    family: str = "llama"
+    model_overrides: dict = field(default_factory=dict)
 
     @property
     def dp_size(self) -> int:
@@ -53,7 +55,7 @@ def sft_dataset(kind: str, n: int, seed: int):
     return Dataset.from_list(rows)
 
 
-def train_sft_case(case: SFTCase, sp: bool, out_dir: str) -> dict:
+def train_sft_case(case: SFTCase, sp: bool, out_dir: str, ddp: bool = False) -> dict:
     import peft
     import trl
 
@@ -62,7 +64,7 @@ def train_sft_case(case: SFTCase, sp: bool, out_dir: str) -> dict:
 
     reset_backend_state()
     tokenizer = build_char_tokenizer()
-    model = tiny_model("llama")
+    model = tiny_model(case.family, **case.model_overrides)
     global_batch = case.batch_size * case.dp_size
     train = sft_dataset(case.data, case.n_train or global_batch * case.steps, seed=11)
     evals = sft_dataset(case.data, 4, seed=12)
@@ -88,6 +90,9 @@ def train_sft_case(case: SFTCase, sp: bool, out_dir: str) -> dict:
             per_device_train_batch_size=case.batch_size, sp_size=case.sp_size, ddp_backend="gloo", **common
         )
         trainer_cls = SPSFTTrainer
+    elif ddp:  # TRL on dp processes: the reference where a loss is not a sum over tokens (the MoE router loss)
+        args = trl.SFTConfig(per_device_train_batch_size=case.batch_size, ddp_backend="gloo", **common)
+        trainer_cls = trl.SFTTrainer
     else:
         args = trl.SFTConfig(per_device_train_batch_size=global_batch, **common)
         trainer_cls = trl.SFTTrainer
@@ -104,13 +109,15 @@ def train_sft_case(case: SFTCase, sp: bool, out_dir: str) -> dict:
     trainer.train()
     eval_metrics = trainer.evaluate()
     logs = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
-    rank0 = not sp or dist.get_rank() == 0
+    rank0 = not (sp or ddp) or dist.get_rank() == 0
     params = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
     return {
         "losses": [e["loss"] for e in logs],
         "grad_norms": [e["grad_norm"] for e in logs],
         "token_accuracy": [e["mean_token_accuracy"] for e in logs],
+        "aux_losses": [e["aux_loss"] for e in logs if "aux_loss" in e],
         "eval_loss": eval_metrics["eval_loss"],
+        "eval_aux_loss": eval_metrics.get("eval_aux_loss"),
         "global_step": trainer.state.global_step,
         "params": params if rank0 else None,
         "init": init if rank0 else None,

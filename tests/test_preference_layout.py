@@ -32,15 +32,16 @@ def test_shards_rebuild_the_padded_batch(sp_size, ring):
     rows, seq = ids.shape
     sharding = SequenceSharding(sp_size, ring)
     slots = token_slots(rows, seq, ids.device)
-    total_ids, total_labels, seen = 0, 0, 0
+    total_ids, total_labels, seen, unmasked = 0, 0, 0, 0
     for rank in range(sp_size):
         shard = pack_and_shard(sharding, rank, ids, mask, slots, (rows, seq - 1), labels, pad_token_id=0)
         local_len = shard.inputs["input_ids"].shape[1]
         assert local_len * sp_size % sharding.multiple == 0 and shard.slots.shape == (local_len,)
-        assert "attention_mask" not in shard.inputs
+        unmasked += int(shard.inputs.get("attention_mask", torch.ones(1, local_len)).sum())  # 0: the SP padding
         total_ids = total_ids + scatter_to_grid(shard.inputs["input_ids"][0].double(), shard.slots, shard.grid)
         total_labels = total_labels + scatter_to_grid(shard.inputs["shift_labels"][0].double(), shard.slots, shard.grid)
         seen = seen + scatter_to_grid(torch.ones(local_len, dtype=torch.double), shard.slots, shard.grid)
+    assert unmasked == int(mask.sum())  # only the SP padding is masked: every real token counts
     real = mask[:, :-1].bool()
     assert torch.equal(seen.view(rows, seq - 1), real.double())  # every real token once, padding never
     assert torch.equal(total_ids.view(rows, seq - 1)[real], ids[:, :-1][real].double())

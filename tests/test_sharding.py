@@ -4,7 +4,7 @@ and back."""
 import pytest
 import torch
 
-from hf_sp_trainer.sharding import SequenceSharding, add_shift_labels, pad_to_multiple
+from hf_sp_trainer.sharding import SequenceSharding, add_shift_labels, check_sp_padding, pad_to_multiple
 
 
 def _batch(length=11):
@@ -56,8 +56,11 @@ def test_ring_pads_to_twice_sp():
 
 
 def test_attention_mask():
-    ones = {**_batch(), "attention_mask": torch.ones(1, 11, dtype=torch.long)}
+    ones = {**_batch(12), "attention_mask": torch.ones(1, 12, dtype=torch.long)}
     assert "attention_mask" not in SequenceSharding(2).shard_batch(ones, 0)
+    odd = {**_batch(11), "attention_mask": torch.ones(1, 11, dtype=torch.long)}
+    masks = [SequenceSharding(2).shard_batch(odd, rank)["attention_mask"] for rank in range(2)]
+    assert torch.cat(masks, 1).tolist() == [[1] * 11 + [0]]  # only the SP padding is masked
     padded = {**_batch(), "attention_mask": torch.tensor([[1] * 9 + [0] * 2])}
     with pytest.raises(ValueError, match="2 padding zeros"):
         SequenceSharding(2).shard_batch(padded, 0)
@@ -66,3 +69,16 @@ def test_attention_mask():
 def test_unpadded_shard_refuses_uneven_length():
     with pytest.raises(ValueError, match="not a multiple of 2"):
         SequenceSharding(2).shard(_batch(11), 0)
+
+
+def test_only_the_sp_padding_may_be_masked():
+    padded = pad_to_multiple(_batch(13), 4)
+    check_sp_padding(padded["position_ids"], padded["attention_mask"], 4)  # 3 trailing tokens numbered 0, 1, 2
+    positions = torch.arange(16).unsqueeze(0)
+    for mask, pos, multiple in [
+        (padded["attention_mask"], positions, 4),  # masked tokens continuing the last document
+        (padded["attention_mask"], padded["position_ids"], 2),  # more padding than SP adds
+        (torch.tensor([[0] + [1] * 15]), padded["position_ids"], 4),  # a hole, not trailing
+    ]:
+        with pytest.raises(ValueError, match="padded batches are not supported"):
+            check_sp_padding(pos, mask, multiple)

@@ -16,7 +16,7 @@ import weakref
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 
-from ..sharding import SequenceSharding
+from ..sharding import SequenceSharding, check_sp_padding
 from ..topology import SPTopology, split_sp_size
 from .all_to_all import all_gather_along, all_to_all
 from .block_attention import check_kernel
@@ -177,11 +177,7 @@ class UlyssesAttention:
                 f"{[row[:2] for row in shapes]}. Every rank of an SP group must get the same batch, split into equal "
                 "shards (SPTrainer pads the sequence to a multiple of sp_size)."
             )
-        if any(row[2] for row in shapes):
-            raise ValueError(
-                "An attention_mask with padding zeros was passed under sequence parallelism; padded batches are not "
-                "supported. Pack examples with position_ids instead (hf_sp_trainer.SPDataCollator)."
-            )
+        padded = any(row[2] for row in shapes)
         full_len = local_len * sp_size
         if full_len % self.sharding.multiple:
             raise ValueError(
@@ -192,7 +188,12 @@ class UlyssesAttention:
         if position_ids is None:
             position_ids = self.sharding.positions(full_len, self.topology.sp_rank).to(tokens.device).unsqueeze(0)
         position_ids = position_ids.expand(batch, -1)
-        full = self.sharding.unshard(all_gather_along(position_ids, 1, group))
+        if padded:  # only the SP padding may be masked (a document of its own at the end): checked on the full rows
+            keep = torch.ones_like(position_ids) if mask is None else mask.to(position_ids.dtype).expand(batch, -1)
+            full, full_mask = self.sharding.unshard(all_gather_along(torch.stack([position_ids, keep]), 2, group), 2)
+            check_sp_padding(full, full_mask, self.sharding.multiple)
+        else:
+            full = self.sharding.unshard(all_gather_along(position_ids, 1, group))
         self.layout = DocumentLayout.from_position_ids(full)
         bounds = document_bounds(self.layout.segments, full_len)
         kwargs.update(position_ids=position_ids, attention_mask=None, use_cache=False, **{BOUNDS_KWARG: bounds})
