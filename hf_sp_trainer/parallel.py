@@ -5,6 +5,7 @@ The trainers, the benchmarks and the tests all go through it::
     sp = apply_sequence_parallel(model, sp_size=4)           # attaches the attention, builds the groups
     shard = sp.shard_batch(batch)                            # this rank's slice of a batch every SP rank holds
     logits = sp.gather_sequence(model(**shard).logits)       # back to the whole sequence, original order
+    sp.remove()                                              # detached, groups destroyed (or: with ... as sp:)
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from .attention import UlyssesAttention, all_gather_along, validate_model_for_sp
 from .attention.ulysses import VARLEN_KEY, head_counts
 from .router_loss import RouterLoss, sp_router_loss
 from .sharding import SequenceSharding
-from .topology import SPTopology, sp_topology
+from .distributed.teardown import register_exit_hook
+from .topology import SPTopology, release_groups, sp_topology
 
 logger = logging.get_logger(__name__)
 
@@ -44,11 +46,24 @@ class SequenceParallel:
         """Per-rank ``[b, s/P, ...]`` -> ``[b, s, ...]`` in the original token order (padded length; no autograd)."""
         return self.sharding.unshard(all_gather_along(x, 1, self.topology.sp_group))
 
-    def remove(self) -> None:
-        """Detach SP from the model: its attention is the inner kernel again."""
+    def detach(self) -> None:
+        """Detach SP from the model (its attention is the inner kernel again, on the local tokens); the SP process
+        groups stay, e.g. to evaluate the same model without SP and attach it again."""
         self.attention.detach(self.model)
         if self.router_loss is not None:
             self.router_loss.detach()
+
+    def remove(self) -> None:
+        """End SP in this process: detach it from the model and destroy its process groups (every rank calls it,
+        before ``dist.destroy_process_group()``). Also what leaving ``with apply_sequence_parallel(...) as sp:`` does."""
+        self.detach()
+        release_groups()
+
+    def __enter__(self) -> SequenceParallel:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.remove()
 
 
 def compile_decoder_layers(model: torch.nn.Module, backend: str = "inductor", mode: str | None = None) -> int:
@@ -87,6 +102,7 @@ def apply_sequence_parallel(
     """
     kernel = attn_implementation or default_kernel(model)
     ulysses, ring = validate_model_for_sp(model, sp_size, ring_size, kernel)
+    register_exit_hook()  # a script that never calls remove() or destroys its groups still exits cleanly
     topology = sp_topology(sp_size, ring)
     sharding = SequenceSharding(sp_size, ring)
     attention = UlyssesAttention(topology, sharding, kernel)

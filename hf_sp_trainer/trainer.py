@@ -21,7 +21,7 @@ from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
 from torch import nn
 
 from .collators import SPDataCollator
-from .distributed import cpu_backend
+from .distributed import cpu_backend, teardown
 from .loss import check_loss_options, sp_eval_loss
 from .memory import enable_memory_features, hidden_from_base_trainer, loss_only_inputs
 from .parallel import SequenceParallel, apply_sequence_parallel, compile_decoder_layers
@@ -62,6 +62,7 @@ class SequenceParallelMixin:
                 bound.arguments["data_collator"] = self.sp_default_collator(bound.arguments.get("processing_class"))
         with hidden_from_base_trainer(training_args):  # memory-stack flags a TRL trainer would act on itself
             super().__init__(*bound.args, **bound.kwargs)
+        teardown.register_exit_hook()  # a script that ends without trainer.end() still exits cleanly (sp_size 1 too)
         check_loss_options(self)  # sp_size > 1 and fused_loss compute the model's own loss exactly
         if sp_size > 1:
             self.sp_after_init()
@@ -192,7 +193,8 @@ class SequenceParallelMixin:
 
     # -- teardown -------------------------------------------------------------------------------------------------
     def end(self):
-        """Finish the trackers and destroy the process groups (ours first): every rank, once, at the very end."""
+        """Finish the trackers and destroy the process groups (ours first): every rank, once, at the very end. A script
+        that doesn't call it gets the same teardown at exit (``distributed.teardown``)."""
         if dist.is_initialized():
             dist.barrier()  # gloo: nobody tears down while a peer still communicates
         release_groups()

@@ -81,7 +81,7 @@ def sp_retrieval(trainer, tokenizer, dataset, sp_size: int, restrict_to_shard: b
 
     model = unwrap_model(trainer.model).eval()
     if restrict_to_shard and trainer.sp is not None:
-        trainer.sp.remove()
+        trainer.sp.detach()
     results = []
     with torch.no_grad():
         for row in dataset:

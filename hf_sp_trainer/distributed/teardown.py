@@ -1,0 +1,63 @@
+"""A clean end of every run: the process groups destroyed in order, at exit too, so a finished job exits 0.
+
+Left to interpreter shutdown, gloo's process groups sometimes abort the process after a finished run
+(``terminate called without an active exception``, SIGABRT), and the launcher reports the whole job as failed. That
+is what ``trainer.end()`` avoids; scripts that end after ``trainer.train()`` (every Hugging Face example) or after
+trainer-free SP without ``sp.remove()`` get the same from an exit hook: a barrier bounded in time (nobody tears down
+while a peer still communicates; a dead peer does not hang the exit), our SP groups, then the default group. Once
+per process, nothing if ``end()`` already did it, and no barrier after an uncaught exception (the failing rank
+exits at once, with its traceback and exit code).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..topology import release_groups
+
+EXIT_BARRIER_TIMEOUT_S = float(os.environ.get("HF_SP_EXIT_BARRIER_TIMEOUT_S", "600"))
+_state = {"registered": False, "failed": False}
+
+
+def end_process_groups(barrier: bool = True, timeout_s: float = EXIT_BARRIER_TIMEOUT_S) -> bool:
+    """Barrier (bounded by ``timeout_s``), destroy the SP groups, then the default group. Returns whether the groups
+    were destroyed (not after a failed or timed-out barrier: a peer is gone or still talking)."""
+    if not dist.is_initialized():
+        release_groups()
+        return True
+    if barrier:
+        try:
+            dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+        except Exception:  # noqa: BLE001 - a dead or stuck peer: leave without tearing down what it may still use
+            return False
+    release_groups()
+    dist.destroy_process_group()
+    return True
+
+
+def register_exit_hook() -> None:
+    """Tear the process groups down at interpreter exit if nobody did (idempotent; call it from every rank)."""
+    if _state["registered"] or os.environ.get("HF_SP_EXIT_HOOK", "1") == "0":  # 0: off (before/after comparisons)
+        return
+    _state["registered"] = True
+    previous = sys.excepthook
+
+    def excepthook(*exc_info):
+        _state["failed"] = True
+        previous(*exc_info)
+
+    sys.excepthook = excepthook
+    atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    if dist.is_initialized():
+        end_process_groups(barrier=not _state["failed"])
+
+
+__all__ = ["EXIT_BARRIER_TIMEOUT_S", "end_process_groups", "register_exit_hook"]
