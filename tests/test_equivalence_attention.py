@@ -77,6 +77,78 @@ def test_unsupported_sink_forms_are_refused():
 
 
 # -- distributed ---------------------------------------------------------------------------------------------------
+WINDOW = dict(sliding_window=12, layer_types=["sliding_attention", "full_attention"])
+SINK_FAMILIES = {  # other per-head sink models (forward): granite's sigmoid(lse - sink) form is the same extra logit
+    "granite_swa": ("GraniteSWAConfig", dict(head_dim=16, **WINDOW)),
+    "granitemoe_swa": ("GraniteMoeSWAConfig", dict(num_local_experts=4, num_experts_per_tok=2, **WINDOW)),
+    "flint": ("FlintConfig", dict(head_dim=16, sliding_window=12)),
+    "mimo_v2_flash": (  # sinks on the sliding layers only, which have twice the kv heads; v head dim != q/k's
+        "MiMoV2FlashConfig",
+        dict(
+            head_dim=24,
+            v_head_dim=16,
+            sliding_window=12,
+            layer_types=["full_attention", "sliding_attention"],
+            mlp_layer_types=["dense", "sparse"],
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+        ),
+    ),  # fmt: skip
+}
+
+
+def _sink_model(config_name: str, overrides: dict, sinks: bool = True):
+    import transformers
+
+    from tests.harness import init_large_sinks
+
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, use_cache=False)  # fmt: skip
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(**base, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    init_large_sinks(model)
+    with torch.no_grad():
+        for m in model.modules():
+            if not sinks and getattr(m, "sinks", None) is not None:
+                m.sinks.fill_(-1e9)
+    return model
+
+
+def _sink_family_forwards() -> dict[str, float]:
+    """Max relative |SP logits - single-process logits| at sp 2 (Ulysses, ring), and the no-sink control."""
+    import torch.distributed as dist
+
+    from hf_sp_trainer import apply_sequence_parallel
+    from tests.test_attention import _sp_logits
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    rows = {"input_ids": torch.randint(3, 128, (2, 24)), "position_ids": torch.arange(24).expand(2, -1)}
+    out = {}
+    for name, (config_name, overrides) in SINK_FAMILIES.items():
+        with torch.no_grad():
+            ref = _sink_model(config_name, overrides)(**rows).logits
+            no_sinks = _sink_model(config_name, overrides, sinks=False)(**rows).logits
+        out[f"{name}_control"] = float((no_sinks - ref).abs().max() / ref.abs().max())
+        for ring in (1, 2):
+            sp = apply_sequence_parallel(
+                _sink_model(config_name, overrides), 2, ring_size=ring, attn_implementation="eager"
+            )
+            out[f"{name}_ring{ring}"] = float((_sp_logits(sp, rows) - ref).abs().max() / ref.abs().max())
+            sp.remove()
+    return out
+
+
+@pytest.mark.slow
+def test_other_sink_families_forward_match_single_process():
+    for result in unwrap_results(run_distributed(2, _sink_family_forwards, timeout=600)):
+        for name in SINK_FAMILIES:
+            assert result[f"{name}_control"] > 1e-2, result  # the sinks matter
+            assert max(result[f"{name}_ring1"], result[f"{name}_ring2"]) <= TOL, result
+
+
 @pytest.fixture(scope="module")
 def sp_results():
     return {world: run_distributed(world, run_cases, cases) for world, cases in ((2, WORLD2), (4, WORLD4))}
