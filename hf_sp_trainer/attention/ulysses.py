@@ -169,6 +169,7 @@ class UlyssesAttention:
             kernel_module = _KVGroupsView(module, q.shape[1] // k.shape[1], sinks) if view else module
             dv = v.shape[-1]
             if is_varlen_kernel(self.kernel) and dv != q.shape[-1]:  # flash kernels: one head size (zero columns)
+                kwargs["scaling"] = kwargs.get("scaling") or q.shape[-1] ** -0.5  # not the padded head size's
                 v = F.pad(v, (0, max(q.shape[-1], dv) - dv))
                 q, k = (F.pad(t, (0, v.shape[-1] - t.shape[-1])) for t in (q, k))
             out = run_kernel(self.kernel, fn, kernel_module, q, k, v, self.layout, kwargs)[..., :dv]  # [b,s,h/U,dv]
