@@ -20,9 +20,9 @@ from transformers.utils import logging
 
 from .attention import UlyssesAttention, all_gather_along, validate_model_for_sp
 from .attention.ulysses import VARLEN_KEY, head_counts
+from .distributed.teardown import register_exit_hook
 from .router_loss import RouterLoss, sp_router_loss
 from .sharding import SequenceSharding
-from .distributed.teardown import register_exit_hook
 from .topology import SPTopology, release_groups, sp_topology
 
 logger = logging.get_logger(__name__)
@@ -55,7 +55,8 @@ class SequenceParallel:
 
     def remove(self) -> None:
         """End SP in this process: detach it from the model and destroy its process groups (every rank calls it,
-        before ``dist.destroy_process_group()``). Also what leaving ``with apply_sequence_parallel(...) as sp:`` does."""
+        before ``dist.destroy_process_group()``); also what leaving ``with apply_sequence_parallel(...) as sp:`` does.
+        """
         self.detach()
         release_groups()
 

@@ -162,7 +162,7 @@ def main() -> None:
     rows = []
     try:
         for kind in opts.kinds:
-            for i in range(opts.runs):
+            for _ in range(opts.runs):
                 rows.append(launch(kind, 29600 + len(rows) % 300, opts.timeout))
                 print(json.dumps(rows[-1]), flush=True)
     finally:

@@ -4,7 +4,8 @@
     python scripts/gpu_check.py --dry-run --out /tmp/check.json   # CPU, tiny sizes, CUDA-only parts skipped
 
 a_kernels: packed rows (mixed lengths, 1-token documents, GQA), fp32/bf16, out/LSE/grads vs a dense fp64 reference:
-the per-document sdpa path, torch ``varlen_attn``, flash-attn varlen, the ring block kernels (sdpa, varlen, flash).
+the per-document sdpa path, torch ``varlen_attn``, flash-attn varlen, the ring block kernels (sdpa, varlen, flash);
+the ring op with attention sinks and with MLA head dims (q/k 192, v 128) on each kernel (``_gpu_attention.py``).
 b_fused_loss: Liger's fused linear cross-entropy (if installed) and the chunked loss vs the plain loss.
 c_offload: a small Llama step with gradient checkpointing, ``HostOffload`` on vs off: bitwise equality, peak memory.
 d_long_context: one step (sp 1, bf16, AdamW, tiled MLP + fused loss + sequence-aware checkpointing) of a
@@ -34,6 +35,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from _gpu_attention import sink_mla_checks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # hf_sp_trainer from a checkout
 
@@ -196,6 +198,8 @@ def check_kernels(ctx: Ctx) -> dict:
                 results[name] = diffs(("out", "lse", "dq", "dk", "dv"), fn(q, k, v, dout, docs, d**-0.5), ref, dtype)
             except Exception as exc:  # noqa: BLE001 - recorded; the other kernels still run
                 results[name] = error(exc)
+        dims = (hq, hkv, d, d // 2) if ctx.dry else (hq, hkv, 192, 128)  # MLA: DeepSeek-V3's q/k 192, v 128
+        results |= sink_mla_checks(ctx.device, dtype, has("flash_attn"), diffs, error, dims)
     return out
 
 

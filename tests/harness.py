@@ -28,7 +28,13 @@ FAMILIES = {
     "gemma3": "Gemma3TextConfig",
     "phi3": "Phi3Config",
 }
-MOE_FAMILIES = {"mixtral": "MixtralConfig", "qwen3_moe": "Qwen3MoeConfig"}
+MOE_FAMILIES = {  # not dense per-token MLPs (tiled_mlp refuses them)
+    "mixtral": "MixtralConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "gpt_oss": "GptOssConfig",  # attention sinks, alternating sliding window, MoE (eager only)
+    "deepseek_v3": "DeepseekV3Config",  # MLA: q/k head dim 24 != v head dim 16; MoE after a dense first layer
+    "glm4_moe_lite": "Glm4MoeLiteConfig",  # GLM-4.7-Flash: MLA, MoE after a dense first layer
+}
 # MoE families with the router's load-balancing loss on (a coefficient large enough to matter in every comparison)
 MOE_ROUTER_LOSS = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5),
@@ -37,6 +43,34 @@ MOE_ROUTER_LOSS = {
         router_aux_loss_coef=0.5,
     ),
 }
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128, beta_fast=32.0, beta_slow=1.0)
+YARN.update(truncate=False, rope_theta=10000.0)
+MOE = dict(num_experts_per_tok=2, output_router_logits=False)
+MLA = dict(
+    num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32, n_group=1, topk_group=1, **MOE,
+)  # fmt: skip
+FAMILY_OVERRIDES = {
+    "gpt_oss": dict(
+        num_local_experts=4,
+        sliding_window=12,
+        layer_types=["sliding_attention", "full_attention"],
+        **MOE,
+        rope_parameters=dict(YARN, factor=32.0, original_max_position_embeddings=16, rope_theta=150000.0),
+    ),  # fmt: skip
+    "deepseek_v3": dict(first_k_dense_replace=1, rope_parameters=dict(YARN, mscale_all_dim=1.0), **MLA),  # mscale
+    "glm4_moe_lite": dict(mlp_layer_types=["dense", "sparse"], **MLA),
+}
+
+
+def init_large_sinks(model, seed: int = 0) -> None:
+    """Attention sinks (default init 0 or small) drawn large, N(1, 2^2) against row LSEs of ~0-4, so that a sink
+    dropped or applied to the wrong heads changes the loss far beyond the tolerance."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(getattr(m, "sinks", None), torch.nn.Parameter):
+                m.sinks.copy_(torch.randn(m.sinks.shape, generator=gen) * 2 + 1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -135,11 +169,15 @@ def tiny_model(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
         base.update(use_sliding_window=True, sliding_window=12, max_window_layers=1)
     if family == "gemma3":
         base.update(sliding_window=12, layer_types=["sliding_attention", "full_attention"])
+    if family in ("deepseek_v3", "glm4_moe_lite"):
+        del base["head_dim"]  # their head_dim is the rotary part of the q/k head dim
     base.update(MOE_ROUTER_LOSS.get(family, {}))
+    base.update(FAMILY_OVERRIDES.get(family, {}))
     base.update(overrides)
     config = config_cls(**base)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+    init_large_sinks(model, seed)
     return model.float()
 
 

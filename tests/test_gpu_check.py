@@ -45,6 +45,11 @@ def test_dry_run_report(tmp_path):
         assert "lse" in results["block_sdpa_causal"]
         for name in ("torch_varlen", "block_varlen_causal", "block_varlen_full"):
             assert "skipped" in results[name]  # CUDA only
+        for variant in ("sinks", "mla", "mla_sinks"):  # the ring op with attention sinks / MLA head dims
+            rec = results[f"ring_op_{variant}_sdpa"]
+            assert rec["within_tol"] and ("dsinks" in rec) == variant.endswith("sinks"), (dtype, variant, rec)
+            assert {"out", "dq", "dk", "dv"} <= rec.keys()
+            assert "skipped" in results[f"ring_op_{variant}_varlen"]
 
     loss = _ok(report, "b_fused_loss")
     assert loss["liger"].startswith("skipped")

@@ -45,9 +45,13 @@ def masked_scores(q, k, mask, scale, softcap=None):
     return scores.masked_fill(~mask[:, None], float("-inf"))
 
 
-def dense_attention(q, k, v, mask, scale, softcap=None):
-    """Plain softmax attention of ``[b, h, s, d]`` inputs with an explicit ``[b, sq, sk]`` mask; ``[b, s, h, d]``."""
-    probs = masked_scores(q, k, mask, scale, softcap).softmax(-1)
+def dense_attention(q, k, v, mask, scale, softcap=None, sinks=None):
+    """Plain softmax attention of ``[b, h, s, d]`` inputs (v: ``[b, hkv, s, dv]``) with an explicit ``[b, sq, sk]``
+    mask; ``[b, s, h, dv]``. ``sinks [h]``: gpt-oss's eager form, one more logit column dropped after the softmax."""
+    scores = masked_scores(q, k, mask, scale, softcap)
+    if sinks is not None:
+        scores = torch.cat([scores, sinks[None, :, None, None].expand(*scores.shape[:3], 1)], -1)
+    probs = scores.softmax(-1)[..., : mask.shape[-1]]
     return (probs @ v.repeat_interleave(q.shape[1] // v.shape[1], 1)).transpose(1, 2)
 
 
@@ -172,6 +176,43 @@ def test_block_kernel_matches_softmax(kernel, block, hkv, softcap):
         assert rel_err(got, want) < 1e-12
 
 
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])
+@pytest.mark.parametrize("block", ["causal_docs", "band"])
+@pytest.mark.parametrize("dv", [6, 12])
+def test_block_kernel_value_head_dim_differs(kernel, block, dv):
+    """MLA: ``dv != dqk`` (zero-padded around the fused kernel, native in the math path) fwd + bwd, exact."""
+    kind, nq, nk, offset, docs, window = BLOCKS[block]
+    torch.manual_seed(3)
+    q = torch.randn(2, 4, nq, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, nk, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, nk, dv, dtype=torch.float64, requires_grad=True)
+    dist = torch.arange(nq)[:, None] - torch.arange(nk)[None] + offset
+    mask = (dist >= 0) & ((dist < window) if window else True)
+    if docs:
+        doc = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
+        mask &= doc[:, None] == doc[None]
+    ref = dense_attention(q, k, v, mask.expand(2, nq, nk), 0.4).transpose(1, 2)
+    dout = torch.randn_like(ref)
+    ref.backward(dout)
+    geometry = dict(kind=kind, scale=0.4, offset=offset, docs=docs, window=window, kernel=kernel)
+    with torch.no_grad():
+        out, lse = block_forward(q, k, v, **geometry)
+        grads = block_backward(dout, q, k, v, out, lse, **geometry)
+    assert out.shape == ref.shape and rel_err(out, ref) < 1e-12
+    for got, want in zip(grads, (q.grad, k.grad, v.grad), strict=True):
+        assert got.shape == want.shape and rel_err(got, want) < 1e-12
+
+
+def test_ring_attention_refuses_bad_shapes():
+    q, k = torch.randn(1, 4, 8, 8), torch.randn(1, 2, 8, 8)
+    with pytest.raises(ValueError, match="head dim"):
+        ring_attention(q, torch.randn(1, 2, 8, 6), k, [[(0, 8)]], None, scale=1.0)  # k's head dim != q's
+    with pytest.raises(ValueError, match="head dim"):
+        ring_attention(q, k, torch.randn(1, 2, 7, 8), [[(0, 8)]], None, scale=1.0)  # v's length != k's
+    with pytest.raises(ValueError, match="sinks"):
+        ring_attention(q, k, k, [[(0, 8)]], None, scale=1.0, sinks=torch.zeros(2))
+
+
 def test_merge_of_key_blocks_equals_full_softmax():
     torch.manual_seed(1)
     q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 9, 4), torch.randn(1, 2, 9, 4)
@@ -230,6 +271,8 @@ class RingCase:
     kernel: str = "sdpa"
     dtype: torch.dtype = torch.float32
     tol: float = 1e-5
+    sinks: bool = False  # large per-head sinks (std 3 around the row LSE): dropping them fails
+    dv: int = 8  # value head dim (MLA: != the q/k head dim 8)
 
 
 CASES = {
@@ -249,6 +292,14 @@ CASES = {
     "batch2": RingCase([MIXED, ONE_TOKEN]),
     "eager_window": RingCase([MIXED, STRADDLE], hkv=2, window=7, kernel="eager"),
     "bf16": RingCase([MIXED], hkv=2, dtype=torch.bfloat16, tol=3e-2),
+    "sinks": RingCase([STRADDLE], sinks=True),
+    "sinks_gqa_window": RingCase([MIXED, STRADDLE], hkv=2, window=7, sinks=True),
+    "sinks_eager_window_fp64": RingCase(
+        [STRADDLE], hkv=1, window=9, kernel="eager", sinks=True, dtype=torch.float64, tol=1e-12
+    ),  # fmt: skip
+    "mla_dv6": RingCase([MIXED], hkv=2, dv=6),
+    "mla_dv12_window_eager": RingCase([STRADDLE], window=7, kernel="eager", dv=12),
+    "mla_sinks_window": RingCase([MIXED], hkv=2, window=9, sinks=True, dv=6),
 }
 RINGS = (1, 2, 4)
 
@@ -268,20 +319,39 @@ def _check_case(case: RingCase, group, seed: int) -> dict[str, float]:
     torch.manual_seed(seed)  # every rank draws the same full tensors
     b, hq, d = len(case.segments), 4, 8
     q = torch.randn(b, hq, S, d) * (3.0 if case.softcap else 1.0)
-    k, v = torch.randn(b, case.hkv, S, d), torch.randn(b, case.hkv, S, d)
-    dout = torch.randn(b, S, hq, d)
+    k, v = torch.randn(b, case.hkv, S, d), torch.randn(b, case.hkv, S, case.dv)
+    dout = torch.randn(b, S, hq, case.dv)
+    sinks = torch.randn(hq, dtype=case.dtype) * 3 + 2 if case.sinks else None  # row LSEs here are ~2-4
     perm, inv = zigzag_permutation(S, ring), zigzag_inverse_permutation(S, ring)
     mine = perm[rank * (S // ring) : (rank + 1) * (S // ring)]
     local = [t[:, :, mine].to(case.dtype).requires_grad_() for t in (q, k, v)]
-    kw = dict(scale=d**-0.5, sliding_window=case.window, softcap=case.softcap, kernel=case.kernel)
+    local_sinks = sinks.clone().requires_grad_() if case.sinks else None
+    kw = dict(scale=d**-0.5, sliding_window=case.window, softcap=case.softcap, kernel=case.kernel, sinks=local_sinks)
     out = ring_attention(*local, case.segments, group, **kw)
-    assert out.dtype == case.dtype and out.shape == (b, S // ring, hq, d)
+    assert out.dtype == case.dtype and out.shape == (b, S // ring, hq, case.dv)
     out.backward(dout[:, mine].to(case.dtype))
     got = [_gather(out.detach(), 1, group)[:, inv]] + [_gather(t.grad, 2, group)[:, :, inv] for t in local]
     full = [t.to(case.dtype).double().requires_grad_() for t in (q, k, v)]  # the values the ring was given
-    ref = dense_attention(*full, visibility(case.segments, S, case.window), d**-0.5, case.softcap)
+    mask = visibility(case.segments, S, case.window)
+    if case.sinks:  # each rank's sink gradient covers its queries: their sum is the whole gradient
+        got.append(_sum(local_sinks.grad, group))
+        full.append(sinks.double().requires_grad_())
+    ref = dense_attention(*full[:3], mask, d**-0.5, case.softcap, full[3] if case.sinks else None)
     ref_grads = torch.autograd.grad(ref, full, dout.to(case.dtype).double())
-    return {name: rel_err(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), got, (ref, *ref_grads), strict=True)}
+    names = ("out", "dq", "dk", "dv", "dsinks")
+    errors = {name: rel_err(a, b) for name, a, b in zip(names, got, (ref, *ref_grads), strict=False)}
+    if case.sinks:  # negative control: the same reference without the sinks is far from what the ring computed
+        errors["control_no_sinks"] = rel_err(got[0], dense_attention(*full[:3], mask, d**-0.5, case.softcap))
+    return errors
+
+
+def _sum(x: torch.Tensor, group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    if group is not None:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+    return x
 
 
 def _ring_worker() -> dict:
@@ -317,8 +387,12 @@ def ring_results() -> list[dict]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_ring_attention_matches_dense(ring_results, name, ring):
     for rank, result in enumerate(ring_results):
-        errors = result["errors"][name, ring]
+        errors = dict(result["errors"][name, ring])
+        control = errors.pop("control_no_sinks", None)
         assert max(errors.values()) <= CASES[name].tol, f"rank {rank}: {errors}"
+        if CASES[name].sinks:
+            assert control > 1e-2, f"rank {rank}: the sinks barely change the output ({control:.1e}): a weak test"
+        assert ("dsinks" in errors) == CASES[name].sinks
 
 
 @pytest.mark.slow

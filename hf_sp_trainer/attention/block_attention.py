@@ -105,23 +105,23 @@ def _math_forward(q, k, v, scale, softcap, mask):
         outs.append(torch.exp(s - lse[..., None]) @ v.unsqueeze(2))
         lses.append(lse)
     b, hq = q.shape[:2]
-    return torch.cat(outs, 3).reshape(b, hq, -1, q.shape[3]), torch.cat(lses, 3).reshape(b, hq, -1)
+    return torch.cat(outs, 3).reshape(b, hq, -1, v.shape[3]), torch.cat(lses, 3).reshape(b, hq, -1)
 
 
 def _math_backward(dout, q, k, v, out, lse, scale, softcap, mask):
     dt = acc_dtype(q.dtype)
     dout, q, k, v, out, lse = (x.to(dt) for x in (dout, q, k, v, out, lse))
     b, hq, nq, d = q.shape
-    hkv = k.shape[1]
+    hkv, dv_ = k.shape[1], v.shape[3]
     g = hq // hkv
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for a in range(0, nq, MATH_TILE):
         rows = slice(a, a + MATH_TILE)
         s, t = _scores(q[:, :, rows], k, scale, softcap, None if mask is None else mask[rows])
-        do = dout[:, :, rows].reshape(b, hkv, g, -1, d)
+        do = dout[:, :, rows].reshape(b, hkv, g, -1, dv_)
         p = torch.exp(s - lse[:, :, rows].reshape(b, hkv, g, -1, 1))
         dv += (p.transpose(-1, -2) @ do).sum(2)
-        delta = (do * out[:, :, rows].reshape(b, hkv, g, -1, d)).sum(-1, keepdim=True)
+        delta = (do * out[:, :, rows].reshape(b, hkv, g, -1, dv_)).sum(-1, keepdim=True)
         ds = p * (do @ v.unsqueeze(2).transpose(-1, -2) - delta)
         if t is not None:
             ds = ds * (1 - t * t)
@@ -236,6 +236,18 @@ def _varlen_backward(path, dout, q, k, v, out, lse, geometry, scale, softcap, ca
     return dq, dk, dv
 
 
+# -- value head dim != query/key head dim (MLA) -------------------------------------------------------------------
+def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+def _needs_padding(path: str, q: torch.Tensor, v: torch.Tensor) -> bool:
+    """The fused and flash kernels take one head size for q, k and v; the math path takes any ``dv``. Zero columns
+    appended to V (and dout/out) change neither the scores, the LSE nor the gradients of the other columns; zero
+    columns appended to q and k (``dv > dqk``) change no score (the scale is passed explicitly)."""
+    return path != "math" and q.shape[-1] != v.shape[-1]
+
+
 # -- one sub-block ------------------------------------------------------------------------------------------------
 def _joined(parts: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
     """The rectangles' results along the query rows (no copy for a single one)."""
@@ -255,9 +267,14 @@ def block_forward(
     softcap: float | None = None,
     kernel: str = "sdpa",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one sub-block: ``out [b, hq, nq, d]`` and ``lse [b, hq, nq]`` (fp32, fp64 for fp64 inputs).
+    """Attention of one sub-block: ``out [b, hq, nq, dv]`` and ``lse [b, hq, nq]`` (fp32, fp64 for fp64 inputs).
     Every query row must see at least one key (the planner guarantees it)."""
     path = _path(kernel, q, softcap)
+    if _needs_padding(path, q, v):
+        width, dv = max(q.shape[-1], v.shape[-1]), v.shape[-1]
+        geometry = dict(kind=kind, scale=scale, offset=offset, docs=docs, window=window, softcap=softcap, kernel=kernel)
+        out, lse = block_forward(*(_pad_last(x, width) for x in (q, k, v)), **geometry)
+        return out[..., :dv], lse
     b, hq, nq, _ = q.shape
     if path in ("math", "fused"):
         outs, lses = [], []
@@ -294,6 +311,12 @@ def block_backward(
     """Gradients (dq, dk, dv) of one sub-block, given ``dout``, the FINAL ``out`` (input dtype) and ``lse`` of its
     query rows: exactly the block's contribution to the gradients of the whole attention."""
     path = _path(kernel, q, softcap)
+    if _needs_padding(path, q, v):
+        width, dqk, dv = max(q.shape[-1], v.shape[-1]), q.shape[-1], v.shape[-1]
+        geometry = dict(kind=kind, scale=scale, offset=offset, docs=docs, window=window, softcap=softcap, kernel=kernel)
+        padded = (_pad_last(x, width) for x in (dout, q, k, v, out))
+        gq, gk, gv = block_backward(*padded, lse, **geometry)
+        return gq[..., :dqk], gk[..., :dqk], gv[..., :dv]
     b, hq, nq, _ = q.shape
     if path in ("math", "fused"):
         grads = []

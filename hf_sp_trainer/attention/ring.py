@@ -88,43 +88,70 @@ def _whole_block(plan: RingPlan, q: torch.Tensor) -> BlockTask | None:
     return task if task.rows == (0, q.shape[0]) and task.q == (0, q.shape[2]) else None
 
 
+def _split_kv(kv: torch.Tensor, dqk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one ring message ``[b, hkv, n, dqk + dv]`` (views)."""
+    return kv[..., :dqk], kv[..., dqk:]
+
+
+def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One more logit per (query, head), ``sinks [hq]``, with a zero value, in the softmax of the merged ``(out, lse)``
+    (accumulation dtype): ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse - lse')``."""
+    new = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None])
+    return out * torch.exp(lse - new).unsqueeze(-1), new
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """``dsink_h = -sum_q exp(sink_h - lse'_q) * rowsum(dout * out')_q`` over this rank's queries (final out', lse')."""
+    dt = lse.dtype
+    delta = (dout.to(dt) * out.to(dt)).sum(-1)
+    return -(torch.exp(sinks.to(dt)[None, :, None] - lse) * delta).sum((0, 2)).to(sinks.dtype)
+
+
 @torch.library.custom_op("hf_sp_trainer::ring_attention", mutates_args=())
 def ring_attention_op(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     bounds: torch.Tensor,
+    sinks: torch.Tensor | None,
     group_name: str,
     scale: float,
     window: int,
     softcap: float,
     kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward: ``(out [b, hq, n, d], lse [b, hq, n])``. One dispatcher op, opaque to ``torch.compile``; ``window``
-    and ``softcap`` are 0 when absent, ``group_name`` is empty for a ring of one."""
+    """Forward: ``(out [b, hq, n, dv], lse [b, hq, n])`` (the LSE includes the sinks). One dispatcher op, opaque to
+    ``torch.compile``; ``window`` and ``softcap`` are 0 when absent, ``group_name`` is empty for a ring of one."""
     group = _group(group_name)
     plan = _plan(bounds, q, group, window)
     whole = _whole_block(plan, q)
+    dt, dqk = acc_dtype(q.dtype), q.shape[-1]
     if whole is not None:  # a ring of one, one task for all rows and documents: nothing to merge
         out, lse = block_forward(q, k, v, **_task_args(whole, plan, scale, softcap or None, kernel))
-        return out.to(q.dtype).contiguous(), lse.to(acc_dtype(q.dtype)).contiguous()  # the fake's layout
-    out = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
-    lse = torch.full(q.shape[:3], float("-inf"), dtype=out.dtype, device=q.device)
-    kv = torch.stack([k, v])  # one message per step; K/V keep their hkv heads (GQA is not expanded)
-    for t in range(plan.ring_size):
-        pending = ring_shift(kv, group, KV_TAG) if t + 1 < plan.ring_size else None  # overlap: next block in flight
-        for task in plan.steps[t]:
-            qs, ks = _sl(task, "q"), _sl(task, "k")
-            o, s = block_forward(q[qs], kv[0][ks], kv[1][ks], **_task_args(task, plan, scale, softcap or None, kernel))
-            merge_block(out[qs], lse[qs], o, s)
-        if pending is not None:
-            kv = pending.wait()
-    return out.to(q.dtype), lse
+        out, lse = out.to(dt), lse.to(dt)
+    else:
+        out = torch.zeros((*q.shape[:3], v.shape[-1]), dtype=dt, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=dt, device=q.device)
+        # one message per step, exactly k's and v's bytes (MLA: dv != dqk); K/V keep their hkv heads (GQA)
+        kv = torch.cat([k, v], -1)
+        for t in range(plan.ring_size):
+            pending = ring_shift(kv, group, KV_TAG) if t + 1 < plan.ring_size else None  # overlap: next in flight
+            kb, vb = _split_kv(kv, dqk)
+            for task in plan.steps[t]:
+                qs, ks = _sl(task, "q"), _sl(task, "k")
+                o, s = block_forward(q[qs], kb[ks], vb[ks], **_task_args(task, plan, scale, softcap or None, kernel))
+                merge_block(out[qs], lse[qs], o, s)
+            if pending is not None:
+                kv = pending.wait()
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks)
+    return out.to(q.dtype).contiguous(), lse.contiguous()  # the fake's layout
 
 
 @ring_attention_op.register_fake
-def _(q, k, v, bounds, group_name, scale, window, softcap, kernel):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))  # contiguous, as the real op
+def _(q, k, v, bounds, sinks, group_name, scale, window, softcap, kernel):
+    out = q.new_empty((*q.shape[:3], v.shape[-1]))
+    return out, q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))  # contiguous, as the real op
 
 
 @torch.library.custom_op("hf_sp_trainer::ring_attention_backward", mutates_args=())
@@ -136,34 +163,39 @@ def ring_attention_backward_op(
     out: torch.Tensor,
     lse: torch.Tensor,
     bounds: torch.Tensor,
+    sinks: torch.Tensor | None,
     group_name: str,
     scale: float,
     window: int,
     softcap: float,
     kernel: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward: K/V travel the ring again, with the dK/dV accumulators of each block, which end with their owner."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward: K/V travel the ring again, with the dK/dV accumulators of each block, which end with their owner.
+    Given the final ``(out, lse)`` (sinks included) the block backward is exact; the 4th output is dsinks (empty
+    without sinks)."""
     group = _group(group_name)
     plan = _plan(bounds, q, group, window)
     whole = _whole_block(plan, q)
+    dout = dout.to(q.dtype)
+    dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None else q.new_zeros(0)
     if whole is not None:
         args = _task_args(whole, plan, scale, softcap or None, kernel)
-        dq, dk, dv = block_backward(dout.to(q.dtype), q, k, v, out, lse, **args)
-        return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
-    size, dt = plan.ring_size, acc_dtype(q.dtype)
-    dout = dout.to(q.dtype)
+        dq, dk, dv = block_backward(dout, q, k, v, out, lse, **args)
+        return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), dsinks
+    size, dt, dqk = plan.ring_size, acc_dtype(q.dtype), q.shape[-1]
     dq = torch.zeros(q.shape, dtype=dt, device=q.device)
-    kv, grads_in = torch.stack([k, v]), None
+    kv, grads_in = torch.cat([k, v], -1), None
     for t in range(size):
         pending = ring_shift(kv, group, KV_TAG) if t + 1 < size else None
         dkv = torch.zeros(kv.shape, dtype=dt, device=q.device)  # this step's dK/dV of the held block
+        (kb, vb), (dkb, dvb) = _split_kv(kv, dqk), _split_kv(dkv, dqk)
         for task in plan.steps[t]:
             qs, ks = _sl(task, "q"), _sl(task, "k")
             args = _task_args(task, plan, scale, softcap or None, kernel)
-            gq, gk, gv = block_backward(dout[qs], q[qs], kv[0][ks], kv[1][ks], out[qs], lse[qs], **args)
+            gq, gk, gv = block_backward(dout[qs], q[qs], kb[ks], vb[ks], out[qs], lse[qs], **args)
             dq[qs] += gq
-            dkv[0][ks] += gk
-            dkv[1][ks] += gv
+            dkb[ks] += gk
+            dvb[ks] += gv
         if grads_in is not None:
             dkv += grads_in.wait()  # what the previous ranks accumulated for the same block
         if size > 1:  # after the last step this shift brings every block's gradient home
@@ -172,23 +204,26 @@ def ring_attention_backward_op(
             kv = pending.wait()
     if grads_in is not None:
         dkv = grads_in.wait()
-    return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)  # outputs must not alias
+    dk, dv = _split_kv(dkv, dqk)
+    return dq.to(q.dtype), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous(), dsinks  # outputs must not alias
 
 
 @ring_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, bounds, group_name, scale, window, softcap, kernel):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(dout, q, k, v, out, lse, bounds, sinks, group_name, scale, window, softcap, kernel):
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, bounds, *ctx.args = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1], bounds)
+    q, k, v, bounds, sinks, *ctx.args = inputs
+    ctx.has_sinks = sinks is not None
+    ctx.save_for_backward(q, k, v, output[0], output[1], bounds, sinks)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, bounds = ctx.saved_tensors
-    dq, dk, dv = ring_attention_backward_op(dout, q, k, v, out, lse, bounds, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, out, lse, bounds, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = ring_attention_backward_op(dout, q, k, v, out, lse, bounds, sinks, *ctx.args)
+    return dq, dk, dv, None, dsinks if ctx.has_sinks else None, None, None, None, None, None
 
 
 ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -219,9 +254,11 @@ def ring_attention(
     softcap: float | None = None,
     kernel: str = "sdpa",
     dropout: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Exact causal attention of this ring rank's zigzag portion ``q [b, hq, n, d]``, ``k, v [b, hkv, n, d]`` over
-    the whole sequence of ``n * R`` tokens; returns ``[b, n, hq, d]`` (transformers' attention-output layout).
+    """Exact causal attention of this ring rank's zigzag portion ``q, k [b, hq | hkv, n, d]``, ``v [b, hkv, n, dv]``
+    over the whole sequence of ``n * R`` tokens; returns ``[b, n, hq, dv]`` (transformers' attention-output layout).
+    ``sinks [hq]``: one learned logit per head with a zero value in every row's softmax (gpt-oss), or ``None``.
 
     ``bounds``: the documents of every row in global coordinates, as ``document_bounds`` (a tensor, rows end to end)
     or per-row segments (``DocumentLayout.segments``); ``group``: the ring process group (``None``: a ring of one).
@@ -232,8 +269,13 @@ def ring_attention(
     if dropout:
         raise ValueError(f"ring attention does not support attention dropout (got {dropout}); set it to 0.")
     b, hq, n, d = q.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[2:] != (n, d) or hq % k.shape[1]:
-        raise ValueError(f"ring attention got q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != b or k.shape[2:] != (n, d) or hq % k.shape[1]:
+        raise ValueError(
+            f"ring attention got q {tuple(q.shape)} and k/v {tuple(k.shape)}/{tuple(v.shape)}: k needs q's batch, "
+            "length and head dim, v k's batch, heads and length (its head dim may differ), hq a multiple of hkv"
+        )
+    if sinks is not None and sinks.shape != (hq,):
+        raise ValueError(f"ring attention got sinks of shape {tuple(sinks.shape)} for {hq} query heads; need ({hq},)")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
     _, size = _ring(group)
@@ -243,5 +285,6 @@ def ring_attention(
         bounds = document_bounds(bounds, n * size)
     group_name = group.group_name if group is not None and size > 1 else ""
     q, k, v = autocast_like_sdpa(q, k, v)
-    out, _ = ring_attention_op(q, k, v, bounds, group_name, scale, sliding_window or 0, softcap or 0.0, kernel)
+    window, cap = sliding_window or 0, softcap or 0.0
+    out, _ = ring_attention_op(q, k, v, bounds, sinks, group_name, scale, window, cap, kernel)
     return out.transpose(1, 2)

@@ -14,13 +14,14 @@ import math
 import weakref
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
 from ..sharding import SequenceSharding, check_sp_padding
 from ..topology import SPTopology, split_sp_size
 from .all_to_all import all_gather_along, all_to_all
 from .block_attention import check_kernel
-from .kernels import resolve_kernel, run_kernel
+from .kernels import is_varlen_kernel, resolve_kernel, run_kernel
 from .layout import DocumentLayout
 from .ring import autocast_like_sdpa, document_bounds, ring_attention
 
@@ -31,11 +32,13 @@ _HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> it
 
 
 class _KVGroupsView:
-    """The attention module seen with another number of query heads per kv head (after kv replication)."""
+    """The attention module seen with another number of query heads per kv head (after kv replication) and with
+    this rank's slice of its attention sinks (eager kernels read ``module.sinks``)."""
 
-    def __init__(self, module: torch.nn.Module, num_key_value_groups: int):
+    def __init__(self, module: torch.nn.Module, num_key_value_groups: int, sinks: torch.Tensor | None = None):
         self._module = module
         self.num_key_value_groups = num_key_value_groups
+        self.sinks = sinks
 
     def __getattr__(self, name):
         return getattr(self._module, name)
@@ -67,11 +70,7 @@ def validate_model_for_sp(
     heads, kv_heads = head_counts(model.config)
     if heads % kv_heads:
         raise ValueError(f"{name} has {heads} query heads, not a multiple of its {kv_heads} key/value heads.")
-    if any(getattr(m, "sinks", None) is not None for m in model.modules()):
-        raise ValueError(
-            f"{name} uses attention sinks (a learned per-head logit); SP does not slice them per head yet. Use "
-            "sp_size=1 for this model."
-        )
+    check_sinks(model)
     ulysses, ring = split_sp_size(sp_size, heads, ring_size)
     kernel = kernel or model.config._attn_implementation
     if kernel == ULYSSES_KEY:
@@ -85,6 +84,35 @@ def validate_model_for_sp(
                 f"(sp_attn_implementation), or choose an sp_size dividing {heads}."
             ) from exc
     return ulysses, ring
+
+
+def check_sinks(model: torch.nn.Module) -> None:
+    """Attention sinks run exactly in their per-head form (a learned logit per query head, ``sinks [heads]``:
+    gpt-oss, flint, granite-swa, mimo-v2-flash, ...); refuse the other forms (per-token sinks computed from the
+    hidden states, e.g. inkling2's ``sink_proj``) before any collective."""
+    name = type(model).__name__
+    for path, m in model.named_modules():
+        if hasattr(m, "sink_proj"):
+            raise ValueError(
+                f"{name}.{path} computes per-token attention sinks (sink_proj); SP supports only per-head sink "
+                "parameters. Use sp_size=1 for this model."
+            )
+        sinks = getattr(m, "sinks", None)
+        if sinks is not None and len(getattr(sinks, "ds_shape", sinks.shape)) != 1:
+            shape = tuple(getattr(sinks, "ds_shape", sinks.shape))
+            raise ValueError(
+                f"{name}.{path}.sinks has shape {shape}; SP supports one sink logit per query head ([heads])."
+            )
+
+
+def _sinks(module, kwargs: dict, heads: int) -> torch.Tensor | None:
+    """The module's per-head sinks (``s_aux`` or ``module.sinks``), checked against its ``heads`` query heads."""
+    sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = getattr(module, "sinks", None)
+    if sinks is not None and tuple(sinks.shape) != (heads,):
+        raise ValueError(f"attention sinks of shape {tuple(sinks.shape)} for {heads} query heads; need ({heads},)")
+    return sinks
 
 
 class UlyssesAttention:
@@ -105,12 +133,22 @@ class UlyssesAttention:
             raise RuntimeError("SP attention was called outside a forward of the model it was attached to.")
         topo = self.topology
         group = topo.ulysses_group
+        if key.shape[-1] != query.shape[-1] or value.shape[:3] != key.shape[:3]:
+            raise ValueError(
+                f"SP attention got q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}: k needs q's "
+                "head dim, v k's batch, heads and length (its head dim may differ: MLA)"
+            )
+        sinks = _sinks(module, kwargs, query.shape[1])
+        if sinks is not None:  # rank u gets query heads [u * h/U, (u+1) * h/U); slice the materialised parameter
+            chunk = query.shape[1] // topo.ulysses_size
+            sinks = sinks[topo.ulysses_rank * chunk : (topo.ulysses_rank + 1) * chunk]
+            kwargs["s_aux"] = sinks
         rep = kv_replication(key.shape[1], topo.ulysses_size)
         if rep > 1:  # e.g. 2 kv heads on 4 ranks: each rank needs its query heads' kv head
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
         query, key, value = autocast_like_sdpa(query, key, value)
         q, k, v = (all_to_all(t, scatter_dim=1, gather_dim=2, group=group) for t in (query, key, value))
-        if self._uses_blocks(q, kwargs):  # one op per layer over all documents (and the ring); torch.compile-able
+        if self._uses_blocks(q, kwargs, sinks is not None):  # one op per layer for all documents and the ring
             ring = topo.ring_group if topo.ring_size > 1 else None
             out = ring_attention(
                 q,
@@ -123,19 +161,28 @@ class UlyssesAttention:
                 softcap=kwargs.get("softcap"),
                 kernel=self.kernel,
                 dropout=kwargs.get("dropout", 0.0),
+                sinks=sinks,
             )
         else:  # the registered kernel itself, per document / varlen / block mask
             fn = resolve_kernel(self.kernel, module)
-            kernel_module = module if rep == 1 else _KVGroupsView(module, q.shape[1] // k.shape[1])
-            out = run_kernel(self.kernel, fn, kernel_module, q, k, v, self.layout, kwargs)  # [b, s, h/U, d]
+            view = rep > 1 or sinks is not None
+            kernel_module = _KVGroupsView(module, q.shape[1] // k.shape[1], sinks) if view else module
+            dv = v.shape[-1]
+            if is_varlen_kernel(self.kernel) and dv != q.shape[-1]:  # flash kernels: one head size (zero columns)
+                kwargs["scaling"] = kwargs.get("scaling") or q.shape[-1] ** -0.5  # not the padded head size's
+                v = F.pad(v, (0, max(q.shape[-1], dv) - dv))
+                q, k = (F.pad(t, (0, v.shape[-1] - t.shape[-1])) for t in (q, k))
+            out = run_kernel(self.kernel, fn, kernel_module, q, k, v, self.layout, kwargs)[..., :dv]  # [b,s,h/U,dv]
         return all_to_all(out, scatter_dim=1, gather_dim=2, group=group), None  # [b, s/P, h, d]
 
-    def _uses_blocks(self, q: torch.Tensor, kwargs: dict) -> bool:
+    def _uses_blocks(self, q: torch.Tensor, kwargs: dict, sinks: bool = False) -> bool:
         """The block kernels with their LSE: always with a ring; without one, for ``varlen`` and for sdpa on CPU (the
-        fused CPU kernel sdpa itself calls, one op for all documents); otherwise the registered kernel itself."""
+        fused CPU kernel sdpa itself calls, one op for all documents) or with sinks (sdpa has none); otherwise the
+        registered kernel itself."""
         if self.topology.ring_size > 1 or self.kernel == VARLEN_KEY:
             return True
-        return self.kernel == "sdpa" and q.device.type == "cpu" and not kwargs.get("dropout")
+        cpu_fused = q.device.type == "cpu" and not kwargs.get("dropout")
+        return self.kernel == "sdpa" and (sinks or cpu_fused)  # sinks with dropout: the ring's ValueError
 
     # -- wiring into a model ----------------------------------------------------------------------------------
     def attach(self, model: PreTrainedModel) -> None:
