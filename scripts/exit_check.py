@@ -18,6 +18,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -135,6 +136,12 @@ def launch(kind: str, port: int, timeout: float) -> dict:
     }  # fmt: skip
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _spin(stop) -> None:
     while not stop.is_set():
         sum(i * i for i in range(10_000))
@@ -163,7 +170,7 @@ def main() -> None:
     try:
         for kind in opts.kinds:
             for _ in range(opts.runs):
-                rows.append(launch(kind, 29600 + len(rows) % 300, opts.timeout))
+                rows.append(launch(kind, free_port(), opts.timeout))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         stop.set()
