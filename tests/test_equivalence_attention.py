@@ -21,11 +21,13 @@ RING2 = {"sp_ring_size": 2}
 # gpt-oss builds its masks without position_ids, so the single-process reference attends across packed documents:
 # one sequence per batch there (packed documents with sinks: tests/test_ring_attention.py).
 GPT_OSS = dict(family="gpt_oss", attn="eager", batch_size=1, eval_batch_size=1, steps=4)
+ROUTER_LOSS = dict(output_router_logits=True, router_aux_loss_coef=0.5)
 WORLD2 = [
     Case("gpt_oss_sinks", **GPT_OSS),  # ulysses 2: the model's eager with this rank's slice of the sinks
     Case("ring2_gpt_oss_sinks", **GPT_OSS, sp_overrides=RING2),  # the ring op's sinks
     Case("fsdp2_gpt_oss_sinks", **GPT_OSS, backend="fsdp2"),  # sinks sliced from the unsharded parameter
     Case("zero3_ring2_gpt_oss_sinks", **GPT_OSS, backend="zero3", sp_overrides=RING2),
+    Case("ring2_gpt_oss_sinks_router_loss", **GPT_OSS, model_overrides=ROUTER_LOSS, sp_overrides=RING2),  # + MoE aux
     Case("deepseek_v3_mla", family="deepseek_v3"),  # CPU sdpa block kernel, V zero-padded to the q/k head dim
     Case("ring2_deepseek_v3_mla", family="deepseek_v3", sp_overrides=RING2),
     Case("glm4_moe_lite_mla", family="glm4_moe_lite", attn="eager"),
