@@ -43,7 +43,7 @@ def sequence_mixers(model: torch.nn.Module) -> list[tuple[str, str, str]]:
         elif getattr(module, "is_causal", True) is False and _calls_attention(type(module)):
             found.append((name, cls, "a bidirectional (is_causal=False) attention (SP attention is causal)"))
         elif _calls_attention(type(module)) and _builds_own_mask(type(module)):
-            found.append((name, cls, "an attention that builds its own (learned) mask, which SP would drop"))
+            found.append((name, cls, "an attention that computes its own mask (learned, or a top-k selection)"))
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for field in LAYER_TYPE_FIELDS:
@@ -89,8 +89,8 @@ def _calls_attention(cls: type) -> bool:
 
 
 def _builds_own_mask(cls: type) -> bool:
-    """The mask given to the registry's attention comes from the module's own method (e.g. a learned dynamic mask),
-    not from the model's ``attention_mask``."""
+    """The mask given to the registry's attention is computed in the module's forward (a learned dynamic mask, a
+    sparse top-k selection), not just the model's ``attention_mask`` (or a slice of it): SP passes no mask."""
     call = _forward_call(cls)
     mask = next((k.value for k in call.keywords if k.arg == "attention_mask"), None)
     if mask is None and len(call.args) > 4:
@@ -101,7 +101,7 @@ def _builds_own_mask(cls: type) -> bool:
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == mask.id for t in node.targets):
             value = node.value
-            if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute):
-                if getattr(value.func.value, "id", None) == "self" and "mask" in value.func.attr:
-                    return True
+            picked = isinstance(value, ast.Call) and getattr(value.func, "attr", None) == "get"  # mapping["type"]
+            if not picked and not isinstance(value, (ast.Name, ast.Subscript, ast.Constant, ast.IfExp)):
+                return True
     return False
