@@ -69,6 +69,7 @@ SHRINK = {
     "index_topk": 16,
     # sequence mixers other than attention
     "sliding_window": 12,
+    "use_sliding_window": True,
     "conv_kernel": 4,
     "mamba_d_state": 8,
     "mamba_n_heads": 4,
@@ -79,6 +80,11 @@ SHRINK = {
     "linear_key_head_dim": 16,
     "linear_value_head_dim": 16,
 }
+
+
+# ``None`` in these means "derive it" (not "no such feature"): some families don't, so they are set too.
+DERIVED = {"head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_experts", "moe_intermediate_size"}
+DERIVED |= {"n_shared_experts", "sliding_window"}
 
 
 @dataclass
@@ -122,7 +128,7 @@ def _default(config_cls, name: str):
 # ----------------------------------------------------------------------------------------------------------------
 # tiny models
 # ----------------------------------------------------------------------------------------------------------------
-def tiny_config(model_type: str):
+def tiny_configs(model_type: str):
     """The family's config with every field of ``SHRINK`` it knows, and the fewest layers (>= 2) covering each of its
     layer types; per-layer lists and patterns are cut to that prefix. Shrink fields the family's validation rejects
     are dropped group by group (mixer sizes, then MLA, then MoE)."""
@@ -131,7 +137,11 @@ def tiny_config(model_type: str):
     config_cls = CONFIG_MAPPING[model_type]
     default = config_cls()
     known = set(default.to_dict()) | set(getattr(config_cls, "attribute_map", {}))
-    kwargs = {k: v for k, v in SHRINK.items() if k in known and _shrinkable(getattr(default, k, None), v)}
+    kwargs = {
+        k: v
+        for k, v in SHRINK.items()
+        if k in known and (_shrinkable(getattr(default, k, None), v) or k in DERIVED and getattr(default, k) is None)
+    }
     kwargs.update({k: 0.0 for k, v in default.to_dict().items() if _is_dropout(k, v)})  # same random draws: none
     n_default = default.num_hidden_layers
     per_layer = {
@@ -139,6 +149,8 @@ def tiny_config(model_type: str):
     }
     indices = {k: v for k, v in per_layer.items() if all(isinstance(i, int) for i in v)}  # e.g. full_attn_idxs
     per_layer = {k: v for k, v in per_layer.items() if k not in indices}
+    if "layer_types" in known and getattr(default, "layer_types", None) is None:  # derived at model build
+        per_layer["layer_types"] = ["full_attention"]
     if isinstance(per_layer.get("layer_types"), list):  # layer types the modeling code knows but the default lacks
         per_layer["layer_types"] = _all_layer_types(config_cls, per_layer["layer_types"])
     n_layers = 2
@@ -156,17 +168,24 @@ def tiny_config(model_type: str):
     if "kv_lora_rank" in kwargs and "num_key_value_heads" in kwargs:  # MLA: every head has its own k and v
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
     attempts = [kwargs]
-    if "layer_types" in per_layer and per_layer["layer_types"] != default.layer_types:  # the family's own types
+    own = getattr(default, "layer_types", None)
+    if "layer_types" in per_layer and isinstance(own, list) and per_layer["layer_types"] != own:  # its own types
         attempts.append({**kwargs, "layer_types": default.layer_types[:2], "num_hidden_layers": 2})
     for group in (_MIXER_KEYS, _MLA_KEYS, _MOE_KEYS):
         attempts += [{k: v for k, v in a.items() if k not in group} for a in list(attempts)]
     error = None
     for attempt in attempts:
         try:
-            return config_cls(**attempt)
+            yield config_cls(**attempt)
         except Exception as exc:  # noqa: BLE001 - try the next, less shrunk variant
             error = error or exc
-    raise error
+    if error is not None:
+        raise error
+
+
+def tiny_config(model_type: str):
+    """The first config ``tiny_configs`` builds."""
+    return next(tiny_configs(model_type))
 
 
 _MIXER_KEYS = {k for k in SHRINK if k.startswith(("mamba_", "linear_", "conv_", "state_"))}
@@ -207,11 +226,18 @@ def build_model(model_type: str, class_name: str, seed: int = 0):
     zero-initialised projection hides a difference."""
     import transformers
 
-    config = tiny_config(model_type)
     model_cls = getattr(transformers, class_name)
     attn = "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager"
-    torch.manual_seed(seed)
-    model = model_cls._from_config(config, attn_implementation=attn, dtype=torch.float32)
+    error = None
+    for config in tiny_configs(model_type):  # the first variant the model class builds from
+        torch.manual_seed(seed)
+        try:
+            model = model_cls._from_config(config, attn_implementation=attn, dtype=torch.float32)
+            break
+        except Exception as exc:  # noqa: BLE001 - the next variant, else the first error
+            error = error or exc
+    else:
+        raise error
     with torch.no_grad():
         for p in model.parameters():
             if p.is_floating_point():

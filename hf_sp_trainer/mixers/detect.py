@@ -44,6 +44,7 @@ def sequence_mixers(model: torch.nn.Module) -> list[tuple[str, str, str]]:
             found.append((name, cls, "a bidirectional (is_causal=False) attention (SP attention is causal)"))
         elif _calls_attention(type(module)) and _builds_own_mask(type(module)):
             found.append((name, cls, "an attention that computes its own mask (learned, or a top-k selection)"))
+    found += _attention_without_kwargs(model)
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     for field in LAYER_TYPE_FIELDS:
@@ -61,10 +62,40 @@ def check_sequence_mixers(model: torch.nn.Module, sp_size: int) -> None:
         where, cls, what = found[0]
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise ValueError(
-            f"{type(model).__name__}: {where} ({cls}) is {what}{more}, not attention through the transformers "
-            f"attention registry; under sequence parallelism (sp_size={sp_size}) it would see only this rank's shard "
-            f"of each sequence. {HYBRID_ADVICE}"
+            f"{type(model).__name__}: {where} ({cls}) is {what}{more}. Sequence parallelism (sp_size={sp_size}) "
+            "replaces only attention called through the transformers attention registry with the decoder's kwargs; "
+            f"this layer would see only this rank's shard of each sequence. {HYBRID_ADVICE}"
         )
+
+
+def _attention_without_kwargs(model: torch.nn.Module) -> list[tuple[str, str, str]]:
+    """Attention modules whose caller doesn't pass ``**kwargs`` on: SP's document bounds would never reach them."""
+    found = []
+    for parent_name, parent in model.named_modules():
+        for child_name, child in parent.named_children():
+            if not _calls_attention(type(child)):
+                continue
+            call = _self_call(type(parent), child_name)
+            if call is not None and not any(k.arg is None for k in call.keywords):
+                where = f"{parent_name}.{child_name}".lstrip(".")
+                what = f"an attention {type(parent).__name__} calls without **kwargs (SP's bounds can't reach it)"
+                found.append((where, type(child).__name__, what))
+    return found
+
+
+@cache
+def _self_call(cls: type, attr: str) -> ast.Call | None:
+    """The call ``self.<attr>(...)`` in ``cls.forward``, if there is one."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for node in ast.walk(tree):
+        func = getattr(node, "func", None)
+        if isinstance(node, ast.Call) and isinstance(func, ast.Attribute) and func.attr == attr:
+            if getattr(func.value, "id", None) == "self":
+                return node
+    return None
 
 
 def _is_inside(name: str, found: list[tuple[str, str, str]]) -> bool:
