@@ -128,7 +128,7 @@ def _default(config_cls, name: str):
 # ----------------------------------------------------------------------------------------------------------------
 # tiny models
 # ----------------------------------------------------------------------------------------------------------------
-def tiny_configs(model_type: str):
+def tiny_configs(model_type: str, router_logits: bool = True):
     """The family's config with every field of ``SHRINK`` it knows, and the fewest layers (>= 2) covering each of its
     layer types; per-layer lists and patterns are cut to that prefix. Shrink fields the family's validation rejects
     are dropped group by group (mixer sizes, then MLA, then MoE)."""
@@ -142,6 +142,8 @@ def tiny_configs(model_type: str):
         for k, v in SHRINK.items()
         if k in known and (_shrinkable(getattr(default, k, None), v) or k in DERIVED and getattr(default, k) is None)
     }
+    if "output_router_logits" in kwargs:
+        kwargs["output_router_logits"] = router_logits
     kwargs.update({k: 0.0 for k, v in default.to_dict().items() if _is_dropout(k, v)})  # same random draws: none
     n_default = default.num_hidden_layers
     per_layer = {
@@ -211,7 +213,7 @@ def _all_layer_types(config_cls, default: list[str]) -> list[str]:
 
 
 def _is_dropout(name: str, value) -> bool:
-    return ("dropout" in name or "pdrop" in name) and isinstance(value, float) and not isinstance(value, bool)
+    return ("dropout" in name or "pdrop" in name) and isinstance(value, float)
 
 
 def _shrinkable(old, new) -> bool:
@@ -221,15 +223,16 @@ def _shrinkable(old, new) -> bool:
     return isinstance(old, (int, float))
 
 
-def build_model(model_type: str, class_name: str, seed: int = 0):
+def build_model(model_type: str, class_name: str, seed: int = 0, router_logits: bool = True):
     """A tiny random-init fp32 model: sdpa if the family supports it, else eager; every weight perturbed so that no
-    zero-initialised projection hides a difference."""
+    zero-initialised projection hides a difference; in eval mode, so that no random draw differs between the runs
+    (gradients are computed all the same)."""
     import transformers
 
     model_cls = getattr(transformers, class_name)
     attn = "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager"
     error = None
-    for config in tiny_configs(model_type):  # the first variant the model class builds from
+    for config in tiny_configs(model_type, router_logits):  # the first variant the model class builds from
         torch.manual_seed(seed)
         try:
             model = model_cls._from_config(config, attn_implementation=attn, dtype=torch.float32)
@@ -242,7 +245,7 @@ def build_model(model_type: str, class_name: str, seed: int = 0):
         for p in model.parameters():
             if p.is_floating_point():
                 p.add_(torch.randn_like(p) * 0.02)
-    return model.train()
+    return model.eval()  # no dropout, no training-time sampling (PhiMoE's sparsemixer): gradients all the same
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -325,14 +328,16 @@ def compare(ref: tuple[float, dict], got: tuple[float, dict]) -> tuple[float, st
     return worst, where
 
 
-def check_family(model_type: str, class_name: str, sp_size: int, ring_size: int | None, seed: int = 0) -> dict:
+def check_family(
+    model_type: str, class_name: str, sp_size: int, ring_size: int | None, seed: int = 0, router_logits: bool = True
+) -> dict:
     """One family on every rank of the default group: the outcome as a dict (``status``, ``detail``)."""
     from hf_sp_trainer import apply_sequence_parallel
     from hf_sp_trainer.attention import validate_model_for_sp
     from hf_sp_trainer.parallel import default_kernel
 
     try:
-        model = build_model(model_type, class_name, seed)
+        model = build_model(model_type, class_name, seed, router_logits)
     except Exception as exc:  # noqa: BLE001 - recorded as "can't build"
         return {"status": "can't build", "detail": _first_line(exc)}
     try:  # no collective: a model SP refuses needs no reference run
@@ -355,7 +360,11 @@ def check_family(model_type: str, class_name: str, sp_size: int, ring_size: int 
         return {"status": "crash", "detail": f"{type(exc).__name__}: {_first_line(exc)}"}
     if worst[0] <= TOL:
         return {"status": "exact", "detail": f"max rel err {worst[0]:.1e}"}
-    return {"status": "wrong", "detail": f"max rel err {worst[0]:.1e} at {worst[1]}"}
+    wrong = {"status": "wrong", "detail": f"max rel err {worst[0]:.1e} at {worst[1]}"}
+    if router_logits and getattr(model.config, "output_router_logits", False):  # is it the router aux loss only?
+        alone = check_family(model_type, class_name, sp_size, ring_size, seed, router_logits=False)
+        wrong["aux_loss_only"] = alone["status"] == "exact"
+    return wrong
 
 
 def _first_line(exc: BaseException) -> str:

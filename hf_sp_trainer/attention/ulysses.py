@@ -46,14 +46,17 @@ class _KVGroupsView:
 
 class _ContiguousOutput:
     """The registered attention: ``UlyssesAttention`` with its output contiguous, as transformers' own kernels return
-    it (the inverse all-to-all gives a strided view; JetMoE and AfMoE ``.view`` the output). Free for the models that
-    reshape it anyway; every other attribute is the ``UlyssesAttention``'s."""
+    it (the inverse all-to-all gives a strided view; JetMoE and AfMoE ``.view`` the output; free for the models that
+    reshape it anyway), and the module's own ``sliding_window`` when the model puts it only in the mask SP drops
+    (Qwen2-MoE). Every other attribute is the ``UlyssesAttention``'s."""
 
     def __init__(self, attention: UlyssesAttention):
         self._attention = attention
 
-    def __call__(self, *args, **kwargs):
-        out, weights = self._attention(*args, **kwargs)
+    def __call__(self, module, *args, **kwargs):
+        if kwargs.get("sliding_window") is None and getattr(module, "sliding_window", None):
+            kwargs["sliding_window"] = module.sliding_window
+        out, weights = self._attention(module, *args, **kwargs)
         return out.contiguous(), weights
 
     def __getattr__(self, name):
