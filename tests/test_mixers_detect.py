@@ -18,6 +18,7 @@ REFUSED = {  # model type, class: what the error must name
     "doge": ("DogeForCausalLM", ["DogeAttention", "computes its own mask"]),
     "deepseek_v32": ("DeepseekV32ForCausalLM", ["DeepseekV32Attention", "top-k selection"]),
     "bert-generation": ("BertGenerationDecoder", ["is_causal=False"]),
+    "phimoe": ("PhimoeForCausalLM", ["sliding window lives only in the mask"]),
     "nemotron": ("NemotronForCausalLM", ["NemotronDecoderLayer calls without **kwargs"]),
 }
 EXACT = {"llama": "LlamaForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel"}

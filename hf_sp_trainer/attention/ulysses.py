@@ -54,7 +54,7 @@ class _ContiguousOutput:
         self._attention = attention
 
     def __call__(self, module, *args, **kwargs):
-        if kwargs.get("sliding_window") is None and getattr(module, "sliding_window", None):
+        if "sliding_window" not in kwargs and getattr(module, "sliding_window", None):  # an explicit None stays
             kwargs["sliding_window"] = module.sliding_window
         out, weights = self._attention(module, *args, **kwargs)
         return out.contiguous(), weights

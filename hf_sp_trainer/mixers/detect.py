@@ -47,6 +47,12 @@ def sequence_mixers(model: torch.nn.Module) -> list[tuple[str, str, str]]:
     found += _attention_without_kwargs(model)
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "sliding_window", None):  # a window SP must be told: by a kwarg or the module's attribute
+        for name, module in model.named_modules():
+            if _calls_attention(type(module)) and getattr(module, "sliding_window", None) is None:
+                if "sliding_window" not in inspect.getsource(type(module)):  # Qwen2-MoE sets it on sliding layers
+                    what = "an attention whose sliding window lives only in the mask SP drops"
+                    found.append((name, type(module).__name__, what))
     for field in LAYER_TYPE_FIELDS:
         types = getattr(text, field, None) or []
         for i, kind in enumerate(types if isinstance(types, (list, tuple)) else []):
