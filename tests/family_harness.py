@@ -255,7 +255,7 @@ def _tokens(n: int, g: torch.Generator) -> torch.Tensor:
     return torch.randint(3, VOCAB, (n,), generator=g)
 
 
-def _objective(model, input_ids, position_ids, shift_labels) -> torch.Tensor:
+def _objective(model, input_ids, position_ids, shift_labels) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sum of token losses, plus the router aux loss (``AUX_COEF`` x the model's own ``aux_loss``) when it has one."""
     out = model(input_ids=input_ids, position_ids=position_ids)
     loss = F.cross_entropy(out.logits.flatten(0, 1).float(), shift_labels.flatten(), reduction="sum")
@@ -272,18 +272,29 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 
 def _reference(model, docs: list[torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
-    """Each document alone: sum of token losses; the aux loss of the whole row from the documents' router logits."""
+    """Each document alone: sum of token losses, plus the aux loss of the whole row: the family's own
+    ``load_balancing_loss_func`` over every document's router logits (token-weighted per-document aux losses where
+    the family has no such function)."""
+    import sys
+
     model.zero_grad(set_to_none=True)
-    total = 0.0
+    lbl = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
+    losses, logits, auxes = [], [], []
     for doc in docs:
-        ids = doc.unsqueeze(0)
         labels = torch.cat([doc[1:], torch.tensor([-100])]).unsqueeze(0)
-        loss, aux = _objective(model, ids, torch.arange(len(doc)).unsqueeze(0), labels)
-        if aux is not None:  # the aux loss is a statistic of the batch's tokens: weighted by the document's share
-            loss = loss + AUX_COEF * aux * len(doc) / sum(len(d) for d in docs)
-        loss.backward()
-        total += loss.item()
-    return total, _grads(model)
+        out = model(input_ids=doc.unsqueeze(0), position_ids=torch.arange(len(doc)).unsqueeze(0))
+        losses.append(F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), reduction="sum"))
+        if getattr(out, "aux_loss", None) is not None:
+            auxes.append(out.aux_loss * len(doc) / sum(len(d) for d in docs))
+            logits.append(out.router_logits)
+    total = sum(losses)
+    if auxes and lbl is not None and hasattr(model, "num_experts_per_tok"):
+        whole_row = tuple(torch.cat(layer) for layer in zip(*logits, strict=True))
+        total = total + AUX_COEF * lbl(whole_row, model.num_experts, model.num_experts_per_tok, None)
+    elif auxes:
+        total = total + AUX_COEF * sum(auxes)
+    total.backward()
+    return total.item(), _grads(model)
 
 
 def _sp_run(model, sp, docs: list[torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
