@@ -10,13 +10,16 @@ forward step by a pre-hook on the decoder.
 
 from __future__ import annotations
 
+import inspect
 import math
 import weakref
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 
+from ..mixers.detect import check_sequence_mixers
 from ..sharding import SequenceSharding, check_sp_padding
 from ..topology import SPTopology, split_sp_size
 from .all_to_all import all_gather_along, all_to_all
@@ -44,6 +47,25 @@ class _KVGroupsView:
         return getattr(self._module, name)
 
 
+class _ContiguousOutput:
+    """The registered attention: ``UlyssesAttention`` with its output contiguous, as transformers' own kernels return
+    it (the inverse all-to-all gives a strided view; JetMoE and AfMoE ``.view`` the output; free for the models that
+    reshape it anyway), and the module's own ``sliding_window`` when the model puts it only in the mask SP drops
+    (Qwen2-MoE). Every other attribute is the ``UlyssesAttention``'s."""
+
+    def __init__(self, attention: UlyssesAttention):
+        self._attention = attention
+
+    def __call__(self, module, *args, **kwargs):
+        if "sliding_window" not in kwargs and getattr(module, "sliding_window", None):  # an explicit None stays
+            kwargs["sliding_window"] = module.sliding_window
+        out, weights = self._attention(module, *args, **kwargs)
+        return out.contiguous(), weights
+
+    def __getattr__(self, name):
+        return getattr(self._attention, name)
+
+
 def head_counts(config) -> tuple[int, int]:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
@@ -67,6 +89,7 @@ def validate_model_for_sp(
             f"sequence parallelism (sp_size={sp_size}) can't be plugged in. Use a model whose class sets "
             "`_supports_attention_backend = True` (Llama, Qwen2/3, Mistral, Gemma, Phi3, ...) or sp_size=1."
         )
+    check_sequence_mixers(model, sp_size)
     heads, kv_heads = head_counts(model.config)
     if heads % kv_heads:
         raise ValueError(f"{name} has {heads} query heads, not a multiple of its {kv_heads} key/value heads.")
@@ -189,7 +212,7 @@ class UlyssesAttention:
         """Route ``model``'s attention through this backend and gather document boundaries once per forward."""
         # transformers validates the inner kernel (installed, GPU, ...); torch's varlen is ours, with sdpa's setup
         model.set_attn_implementation(self._inner_key)
-        AttentionInterface.register(ULYSSES_KEY, self)
+        AttentionInterface.register(ULYSSES_KEY, _ContiguousOutput(self))
         model.set_attn_implementation(ULYSSES_KEY)
         decoder = _decoder(model)
         if decoder in _HOOKS:  # attached before (e.g. a second trainer on the same model): replace the old hook
@@ -248,4 +271,19 @@ class UlyssesAttention:
 
 
 def _decoder(model: PreTrainedModel) -> torch.nn.Module:
-    return getattr(model, model.base_model_prefix, model)
+    """Where the attention kwargs flow: the base model, or the module inside it that holds every decoder layer and
+    takes the tokens (OPT's ``model.decoder``, which ``OPTForCausalLM`` calls directly)."""
+    module = getattr(model, model.base_model_prefix, model)
+    layers = {id(m) for m in module.modules() if isinstance(m, GradientCheckpointingLayer)}
+    while layers:
+        inner = [
+            child
+            for child in module.children()
+            if not isinstance(child, torch.nn.ModuleList)
+            and layers <= {id(m) for m in child.modules()}
+            and {"input_ids", "inputs_embeds"} & set(inspect.signature(child.forward).parameters)
+        ]
+        if not inner:
+            break
+        module = inner[0]
+    return module

@@ -1,0 +1,144 @@
+"""Find what in a model mixes the sequence other than attention through the transformers attention registry.
+
+Sequence parallelism replaces only the registered attention function: every other layer that looks across tokens
+(a convolution over the sequence, an SSM / linear-attention / recurrent layer, an attention that builds its own mask
+or is not causal) would see only this rank's shard and be silently wrong. ``check_sequence_mixers`` refuses such a
+model, naming the layer; the detection reads the modules and the config's layer types, never family names.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import textwrap
+from functools import cache
+
+import torch
+from torch.nn.modules.conv import _ConvNd
+
+# Class names of non-attention sequence mixers (state spaces, linear attention, recurrences, short convolutions).
+MIXER_CLASS = re.compile(
+    r"Mamba|SSM|Rglru|RGLRU|Recurrent|Lightning|LinearAttention|DeltaNet|Rwkv|RWKV|LSTM|ShortConv|Retention|Hyena"
+)
+# Layer types (config.layer_types and the like) naming a non-attention sequence mixer.
+MIXER_TYPE = re.compile(r"linear|conv|mamba|ssm|recurren|rglru|delta|rwkv|lstm|retention", re.IGNORECASE)
+LAYER_TYPE_FIELDS = ("layer_types", "layers_block_type", "block_types", "layers_type")
+HYBRID_ADVICE = (
+    "Use sp_size=1 for this model (sequence parallelism for hybrid models with such layers is planned: "
+    "hf_sp_trainer.mixers)."
+)
+
+
+def sequence_mixers(model: torch.nn.Module) -> list[tuple[str, str, str]]:
+    """``(where, class or layer type, what it is)`` for every sequence mixer SP can't split, in model order."""
+    found = []
+    family = re.split(r"For[A-Z]|Model|LMHead", type(model).__name__)[0]  # "RecurrentGemma": not itself a hint
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        if isinstance(module, _ConvNd):
+            found.append((name, cls, "a convolution over the sequence"))
+        elif MIXER_CLASS.search(cls.removeprefix(family)) and not _is_inside(name, found):
+            found.append((name, cls, "a state-space / linear-attention / recurrent layer"))
+        elif getattr(module, "is_causal", True) is False and _calls_attention(type(module)):
+            found.append((name, cls, "a bidirectional (is_causal=False) attention (SP attention is causal)"))
+        elif _calls_attention(type(module)) and _builds_own_mask(type(module)):
+            found.append((name, cls, "an attention that computes its own mask (learned, or a top-k selection)"))
+    found += _attention_without_kwargs(model)
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "sliding_window", None):  # a window SP must be told: by a kwarg or the module's attribute
+        for name, module in model.named_modules():
+            if _calls_attention(type(module)) and getattr(module, "sliding_window", None) is None:
+                if "sliding_window" not in inspect.getsource(type(module)):  # Qwen2-MoE sets it on sliding layers
+                    what = "an attention whose sliding window lives only in the mask SP drops"
+                    found.append((name, type(module).__name__, what))
+    for field in LAYER_TYPE_FIELDS:
+        types = getattr(text, field, None) or []
+        for i, kind in enumerate(types if isinstance(types, (list, tuple)) else []):
+            if isinstance(kind, str) and MIXER_TYPE.search(kind):
+                found.append((f"config.{field}[{i}]", kind, "a non-attention layer type"))
+    return found
+
+
+def check_sequence_mixers(model: torch.nn.Module, sp_size: int) -> None:
+    """Raise a ``ValueError`` naming the first layer SP can't split (no collective: the same on every rank)."""
+    found = sequence_mixers(model)
+    if found:
+        where, cls, what = found[0]
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise ValueError(
+            f"{type(model).__name__}: {where} ({cls}) is {what}{more}. Sequence parallelism (sp_size={sp_size}) "
+            "replaces only attention called through the transformers attention registry with the decoder's kwargs; "
+            f"this layer would see only this rank's shard of each sequence. {HYBRID_ADVICE}"
+        )
+
+
+def _attention_without_kwargs(model: torch.nn.Module) -> list[tuple[str, str, str]]:
+    """Attention modules whose caller doesn't pass ``**kwargs`` on: SP's document bounds would never reach them."""
+    found = []
+    for parent_name, parent in model.named_modules():
+        for child_name, child in parent.named_children():
+            if not _calls_attention(type(child)):
+                continue
+            call = _self_call(type(parent), child_name)
+            if call is not None and not any(k.arg is None for k in call.keywords):
+                where = f"{parent_name}.{child_name}".lstrip(".")
+                what = f"an attention {type(parent).__name__} calls without **kwargs (SP's bounds can't reach it)"
+                found.append((where, type(child).__name__, what))
+    return found
+
+
+@cache
+def _self_call(cls: type, attr: str) -> ast.Call | None:
+    """The call ``self.<attr>(...)`` in ``cls.forward``, if there is one."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for node in ast.walk(tree):
+        func = getattr(node, "func", None)
+        if isinstance(node, ast.Call) and isinstance(func, ast.Attribute) and func.attr == attr:
+            if getattr(func.value, "id", None) == "self":
+                return node
+    return None
+
+
+def _is_inside(name: str, found: list[tuple[str, str, str]]) -> bool:
+    return any(name.startswith(f"{where}.") for where, _, _ in found)
+
+
+@cache
+def _forward_call(cls: type) -> ast.Call | None:
+    """The ``attention_interface(...)`` call in ``cls.forward``, if it has one (the registry's attention)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "attention_interface":
+            return node
+    return None
+
+
+def _calls_attention(cls: type) -> bool:
+    return _forward_call(cls) is not None
+
+
+def _builds_own_mask(cls: type) -> bool:
+    """The mask given to the registry's attention is computed in the module's forward (a learned dynamic mask, a
+    sparse top-k selection), not just the model's ``attention_mask`` (or a slice of it): SP passes no mask."""
+    call = _forward_call(cls)
+    mask = next((k.value for k in call.keywords if k.arg == "attention_mask"), None)
+    if mask is None and len(call.args) > 4:
+        mask = call.args[4]
+    if not isinstance(mask, ast.Name):
+        return False
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == mask.id for t in node.targets):
+            value = node.value
+            picked = isinstance(value, ast.Call) and getattr(value.func, "attr", None) == "get"  # mapping["type"]
+            if not picked and not isinstance(value, (ast.Name, ast.Subscript, ast.Constant, ast.IfExp)):
+                return True
+    return False

@@ -1,0 +1,411 @@
+"""Every decoder-only causal LM of the installed transformers at sp 2 (and a ring sample at sp 4) against the same
+model run document by document in one process: the family-coverage check behind ``docs/models.md``.
+
+The families come from ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; each is classified (out of scope or not), shrunk to a
+tiny random-init fp32 config by attribute names, and checked in ONE spawned gloo group for all families. A family's
+outcome: ``exact`` (loss and every gradient within ``TOL``), ``refused`` (a ``ValueError`` on every rank),
+``wrong`` (a silent difference), ``crash`` (another exception, or a hang turned into an error by the gloo timeout),
+``can't build`` (the shrink failed) or ``out of scope``.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+TOL = 1e-5
+VOCAB = 128
+DOCS = (13, 9, 18)  # 40 tokens: the second document straddles the sp-2 boundary, every one straddles a ring chunk
+LONG = 40
+AUX_COEF = 0.1
+COLLECTIVE_TIMEOUT_S = 60
+OUT_OF_SCOPE_SUBCONFIG = ("vision", "audio", "vq", "encoder", "decoder", "patcher", "text_config")
+
+# Fields set by name wherever a config has them: (name, value). Sizes first, then MoE, MLA and the rest.
+SHRINK = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "use_cache": False,
+    "tie_word_embeddings": False,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    # MoE: few experts, every MoE layer routed, the router aux loss on and weighty
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "moe_k": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "moe_intermediate_size": 32,
+    "expert_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "output_router_logits": True,
+    "router_aux_loss_coef": AUX_COEF,
+    "aux_loss_coef": AUX_COEF,
+    # MLA
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "rotary_dim": 8,
+    "index_head_dim": 16,
+    "index_n_heads": 4,
+    "index_topk": 16,
+    # sequence mixers other than attention
+    "sliding_window": 12,
+    "use_sliding_window": True,
+    "conv_kernel": 4,
+    "mamba_d_state": 8,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 16,
+    "state_size": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}
+
+
+# ``None`` in these means "derive it" (not "no such feature"): some families don't, so they are set too.
+DERIVED = {"head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_experts", "moe_intermediate_size"}
+DERIVED |= {"n_shared_experts", "sliding_window"}
+
+
+@dataclass
+class Family:
+    model_type: str
+    class_name: str
+    out_of_scope: str | None = None  # the reason
+
+
+def families() -> list[Family]:
+    """Every causal-LM model type of the installed transformers, with the reason when it is out of scope."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    out = []
+    for model_type, class_name in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
+        config_cls = CONFIG_MAPPING[model_type]
+        sub_configs = getattr(config_cls, "sub_configs", {}) or {}
+        subs = sorted(k for k in sub_configs if any(w in k for w in OUT_OF_SCOPE_SUBCONFIG))
+        reason = None
+        if subs:
+            reason = f"composite config (sub-configs {', '.join(subs)}): multimodal or wrapped models are a later issue"
+        elif getattr(config_cls, "is_encoder_decoder", False) or _default(config_cls, "is_encoder_decoder"):
+            reason = "the decoder of an encoder-decoder model (cross-attention)"
+        elif model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+            reason = "an encoder (masked LM) used as a decoder"
+        out.append(Family(model_type, class_name, reason))
+    return out
+
+
+def _default(config_cls, name: str):
+    try:
+        return getattr(config_cls(), name, None)
+    except Exception:  # noqa: BLE001 - a config that can't build with defaults shows up later as "can't build"
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tiny models
+# ----------------------------------------------------------------------------------------------------------------
+def tiny_configs(model_type: str, router_logits: bool = True):
+    """The family's config with every field of ``SHRINK`` it knows, and the fewest layers (>= 2) covering each of its
+    layer types; per-layer lists and patterns are cut to that prefix. Shrink fields the family's validation rejects
+    are dropped group by group (mixer sizes, then MLA, then MoE)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_cls = CONFIG_MAPPING[model_type]
+    default = config_cls()
+    known = set(default.to_dict()) | set(getattr(config_cls, "attribute_map", {}))
+    kwargs = {
+        k: v
+        for k, v in SHRINK.items()
+        if k in known and (_shrinkable(getattr(default, k, None), v) or k in DERIVED and getattr(default, k) is None)
+    }
+    if "output_router_logits" in kwargs:
+        kwargs["output_router_logits"] = router_logits
+    kwargs.update({k: 0.0 for k, v in default.to_dict().items() if _is_dropout(k, v)})  # same random draws: none
+    n_default = default.num_hidden_layers
+    per_layer = {
+        k: v for k, v in default.to_dict().items() if isinstance(v, (list, str)) and len(v) == n_default > 2
+    }
+    indices = {k: v for k, v in per_layer.items() if all(isinstance(i, int) for i in v)}  # e.g. full_attn_idxs
+    per_layer = {k: v for k, v in per_layer.items() if k not in indices}
+    if "layer_types" in known and getattr(default, "layer_types", None) is None:  # derived at model build
+        per_layer["layer_types"] = ["full_attention"]
+    if isinstance(per_layer.get("layer_types"), list):  # layer types the modeling code knows but the default lacks
+        per_layer["layer_types"] = _all_layer_types(config_cls, per_layer["layer_types"])
+    n_layers = 2
+    for value in per_layer.values():
+        while len(set(value[:n_layers])) < len(set(value)):
+            n_layers += 1
+    kwargs["num_hidden_layers"] = n_layers
+    kwargs.update({k: v[:n_layers] for k, v in per_layer.items()})
+    kwargs.update({k: [i for i in v if i < n_layers] for k, v in indices.items()})
+    for k in ("first_k_dense_replace", "num_dense_layers"):  # keep one dense layer, route the rest
+        if k in known and isinstance(getattr(default, k, None), int):
+            kwargs[k] = min(getattr(default, k), 1)
+    if "head_dim" in kwargs and getattr(default, "head_dim", None) == getattr(default, "qk_rope_head_dim", 0):
+        kwargs["head_dim"] = kwargs["qk_rope_head_dim"]  # MLA: head_dim is the rope part
+    if "kv_lora_rank" in kwargs and "num_key_value_heads" in kwargs:  # MLA: every head has its own k and v
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
+    attempts = [kwargs]
+    own = getattr(default, "layer_types", None)
+    if "layer_types" in per_layer and isinstance(own, list) and per_layer["layer_types"] != own:  # its own types
+        attempts.append({**kwargs, "layer_types": default.layer_types[:2], "num_hidden_layers": 2})
+    for group in (_MIXER_KEYS, _MLA_KEYS, _MOE_KEYS):
+        attempts += [{k: v for k, v in a.items() if k not in group} for a in list(attempts)]
+    error = None
+    for attempt in attempts:
+        try:
+            yield config_cls(**attempt)
+        except Exception as exc:  # noqa: BLE001 - try the next, less shrunk variant
+            error = error or exc
+    if error is not None:
+        raise error
+
+
+def tiny_config(model_type: str):
+    """The first config ``tiny_configs`` builds."""
+    return next(tiny_configs(model_type))
+
+
+_MIXER_KEYS = {k for k in SHRINK if k.startswith(("mamba_", "linear_", "conv_", "state_"))}
+_MLA_KEYS = {"q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "head_dim"}
+_MOE_KEYS = {k for k in SHRINK if "expert" in k or k.startswith(("moe_", "n_group", "topk_"))}
+
+
+def _all_layer_types(config_cls, default: list[str]) -> list[str]:
+    """``default`` followed by the sequence-mixer layer types its modeling code names that ``default`` lacks."""
+    import importlib
+    import inspect
+
+    from transformers.configuration_utils import ALLOWED_LAYER_TYPES
+
+    module = config_cls.__module__.replace(".configuration_", ".modeling_")
+    try:
+        source = inspect.getsource(importlib.import_module(module))
+    except (ImportError, OSError):
+        return default
+    mixers = [t for t in ALLOWED_LAYER_TYPES if t not in ("moe", "dense", "sparse") and f'"{t}"' in source]
+    extra = [t for t in mixers if t not in default]
+    return list(dict.fromkeys(default))[:1] + extra + default[1:] if extra else default
+
+
+def _is_dropout(name: str, value) -> bool:
+    return ("dropout" in name or "pdrop" in name) and isinstance(value, float)
+
+
+def _shrinkable(old, new) -> bool:
+    """Only fields the family uses: a number replaces a number, a flag a flag (``None`` stays: a feature it lacks)."""
+    if isinstance(new, bool) or isinstance(old, bool):
+        return isinstance(new, bool) and isinstance(old, bool)
+    return isinstance(old, (int, float))
+
+
+def build_model(model_type: str, class_name: str, seed: int = 0, router_logits: bool = True):
+    """A tiny random-init fp32 model: sdpa if the family supports it, else eager; every weight perturbed so that no
+    zero-initialised projection hides a difference; in eval mode, so that no random draw differs between the runs
+    (gradients are computed all the same)."""
+    import transformers
+
+    model_cls = getattr(transformers, class_name)
+    attn = "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager"
+    error = None
+    for config in tiny_configs(model_type, router_logits):  # the first variant the model class builds from
+        torch.manual_seed(seed)
+        try:
+            model = model_cls._from_config(config, attn_implementation=attn, dtype=torch.float32)
+            break
+        except Exception as exc:  # noqa: BLE001 - the next variant, else the first error
+            error = error or exc
+    else:
+        raise error
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.add_(torch.randn_like(p) * 0.02)
+    return model.eval()  # no dropout, no training-time sampling (PhiMoE's sparsemixer): gradients all the same
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the check
+# ----------------------------------------------------------------------------------------------------------------
+def _tokens(n: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (n,), generator=g)
+
+
+def _objective(model, shard: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's sum of token losses, and its share of the router aux loss (the model's ``aux_loss``) if any."""
+    keys = ("input_ids", "position_ids", "attention_mask")  # the mask, where SP padded: 0 on its padding document
+    out = model(**{k: shard[k] for k in keys if k in shard})
+    shift_labels = shard["shift_labels"]
+    loss = F.cross_entropy(out.logits.flatten(0, 1).float(), shift_labels.flatten(), reduction="sum")
+    aux = getattr(out, "aux_loss", None)
+    return loss, aux
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def _reference(model, docs: list[torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+    """Each document alone: sum of token losses, plus the aux loss of the whole row: the family's own
+    ``load_balancing_loss_func`` over every document's router logits (token-weighted per-document aux losses where
+    the family has no such function)."""
+    import sys
+
+    model.zero_grad(set_to_none=True)
+    lbl = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
+    losses, logits, auxes = [], [], []
+    for doc in docs:
+        labels = torch.cat([doc[1:], torch.tensor([-100])]).unsqueeze(0)
+        out = model(input_ids=doc.unsqueeze(0), position_ids=torch.arange(len(doc)).unsqueeze(0))
+        losses.append(F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten(), reduction="sum"))
+        if getattr(out, "aux_loss", None) is not None:
+            auxes.append(out.aux_loss * len(doc) / sum(len(d) for d in docs))
+            logits.append(out.router_logits)
+    total = sum(losses)
+    if auxes and lbl is not None and hasattr(model, "num_experts_per_tok"):
+        whole_row = tuple(torch.cat(layer) for layer in zip(*logits, strict=True))
+        total = total + AUX_COEF * lbl(whole_row, model.num_experts, model.num_experts_per_tok, None)
+    elif auxes:
+        total = total + AUX_COEF * sum(auxes)
+    total.backward()
+    return total.item(), _grads(model)
+
+
+def _sp_run(model, sp, docs: list[torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+    """The packed row under SP: each rank's token-loss sum plus ``AUX_COEF x`` its share of the router aux loss (the
+    shares sum to the whole row's), gradients summed."""
+    import torch.distributed as dist
+
+    model.zero_grad(set_to_none=True)
+    ids = torch.cat(docs).unsqueeze(0)
+    positions = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
+    labels = ids.clone()
+    labels[positions == 0] = -100  # a document's last token predicts nothing (not the next document's first)
+    shard = sp.shard_batch({"input_ids": ids, "position_ids": positions, "labels": labels})
+    loss, aux = _objective(model, shard)
+    if aux is not None:
+        loss = loss + AUX_COEF * aux
+    loss.backward()
+    group = sp.topology.sp_group
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    grads = _grads(model)
+    flat = torch.cat([g.flatten() for g in grads.values()])
+    dist.all_reduce(flat, group=group)
+    out, i = {}, 0
+    for name, g in grads.items():
+        out[name] = flat[i : i + g.numel()].view_as(g)
+        i += g.numel()
+    return total.item(), out
+
+
+def compare(ref: tuple[float, dict], got: tuple[float, dict]) -> tuple[float, str]:
+    """The worst relative error and where: the loss, or a parameter's gradient as ``||d|| / max(||g||, floor)`` with
+    ``floor`` 1e-3 of the typical tensor's norm (gradients near zero are compared against the model's scale)."""
+    loss_err = abs(got[0] - ref[0]) / max(abs(ref[0]), 1e-12)
+    norms = {n: g.norm().item() for n, g in ref[1].items()}
+    floor = 1e-3 * (sum(v * v for v in norms.values()) / max(len(norms), 1)) ** 0.5
+    worst, where = loss_err, "loss"
+    for name, g in ref[1].items():
+        err = (got[1][name] - g).norm().item() / max(norms[name], floor, 1e-30)
+        if err > worst:
+            worst, where = err, name
+    return worst, where
+
+
+def check_family(
+    model_type: str, class_name: str, sp_size: int, ring_size: int | None, seed: int = 0, router_logits: bool = True
+) -> dict:
+    """One family on every rank of the default group: the outcome as a dict (``status``, ``detail``)."""
+    from hf_sp_trainer import apply_sequence_parallel
+    from hf_sp_trainer.attention import validate_model_for_sp
+    from hf_sp_trainer.parallel import default_kernel
+
+    try:
+        model = build_model(model_type, class_name, seed, router_logits)
+    except Exception as exc:  # noqa: BLE001 - recorded as "can't build"
+        return {"status": "can't build", "detail": _first_line(exc)}
+    try:  # no collective: a model SP refuses needs no reference run
+        validate_model_for_sp(model, sp_size, ring_size, default_kernel(model))
+    except ValueError as exc:
+        return {"status": "refused", "detail": _first_line(exc)}
+    g = torch.Generator().manual_seed(seed + 1)
+    rows = [[_tokens(n, g) for n in DOCS], [_tokens(LONG, g)]]
+    try:
+        reference = copy.deepcopy(model)
+        refs = [_reference(reference, docs) for docs in rows]
+    except Exception as exc:  # noqa: BLE001 - the family doesn't run even without SP
+        return {"status": "can't build", "detail": f"reference run: {_first_line(exc)}"}
+    try:
+        sp = apply_sequence_parallel(model, sp_size, ring_size=ring_size)
+        worst = max(compare(ref, _sp_run(model, sp, docs)) for ref, docs in zip(refs, rows, strict=True))
+    except ValueError as exc:
+        return {"status": "refused", "detail": _first_line(exc)}
+    except Exception as exc:  # noqa: BLE001 - a crash, or a hang the gloo timeout turned into an error
+        return {"status": "crash", "detail": f"{type(exc).__name__}: {_first_line(exc)}"}
+    if worst[0] <= TOL:
+        return {"status": "exact", "detail": f"max rel err {worst[0]:.1e}"}
+    wrong = {"status": "wrong", "detail": f"max rel err {worst[0]:.1e} at {worst[1]}"}
+    if router_logits and getattr(model.config, "output_router_logits", False):  # is it the router aux loss only?
+        alone = check_family(model_type, class_name, sp_size, ring_size, seed, router_logits=False)
+        wrong["aux_loss_only"] = alone["status"] == "exact"
+    return wrong
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]
+
+
+def run_families(names: list[tuple[str, str]], sp_size: int, ring_size: int | None) -> dict[str, dict]:
+    """Run in a spawned group: every family in turn; a family's outcome is agreed over all ranks (a ValueError counts
+    as a refusal only when every rank raised it)."""
+    import torch.distributed as dist
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    results = {}
+    for model_type, class_name in names:
+        start = time.perf_counter()
+        mine = check_family(model_type, class_name, sp_size, ring_size)
+        mine["seconds"] = round(time.perf_counter() - start, 2)
+        everyone: list = [None] * dist.get_world_size()
+        try:
+            dist.all_gather_object(everyone, mine)
+        except Exception as exc:  # noqa: BLE001 - the group is gone: stop here
+            results[model_type] = {"status": "crash", "detail": f"group lost: {_first_line(exc)}"}
+            break
+        statuses = {r["status"] for r in everyone}
+        if len(statuses) > 1:
+            mine = {"status": "crash", "detail": "ranks disagree: " + "; ".join(f"{r['status']}" for r in everyone)}
+        results[model_type] = mine
+    return results

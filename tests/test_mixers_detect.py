@@ -1,0 +1,56 @@
+"""Detection of sequence mixers SP can't split (``hf_sp_trainer/mixers/detect.py``) on real tiny transformers models:
+fast, in one process, no collective (the refusal comes before any)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_sp_trainer.attention import validate_model_for_sp
+from hf_sp_trainer.attention.ulysses import _decoder
+from hf_sp_trainer.mixers import check_sequence_mixers, sequence_mixers
+from tests.family_harness import build_model
+
+REFUSED = {  # model type, class: what the error must name
+    "lfm2": ("Lfm2ForCausalLM", ["Lfm2ShortConv", "model.layers.1.conv"]),
+    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", ["GraniteMoeHybridMambaLayer"]),
+    "minimax": ("MiniMaxForCausalLM", ["MiniMaxLightningAttention"]),
+    "recurrent_gemma": ("RecurrentGemmaForCausalLM", ["RecurrentGemmaRecurrentBlock"]),
+    "doge": ("DogeForCausalLM", ["DogeAttention", "computes its own mask"]),
+    "deepseek_v32": ("DeepseekV32ForCausalLM", ["DeepseekV32Attention", "top-k selection"]),
+    "bert-generation": ("BertGenerationDecoder", ["is_causal=False"]),
+    "phimoe": ("PhimoeForCausalLM", ["sliding window lives only in the mask"]),
+    "nemotron": ("NemotronForCausalLM", ["NemotronDecoderLayer calls without **kwargs"]),
+}
+EXACT = {"llama": "LlamaForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+
+
+@pytest.mark.parametrize("model_type", list(REFUSED))
+def test_refused_naming_the_layer(model_type: str) -> None:
+    class_name, fragments = REFUSED[model_type]
+    model = build_model(model_type, class_name)
+    with pytest.raises(ValueError) as exc:
+        validate_model_for_sp(model, 2)
+    message = str(exc.value)
+    for fragment in [class_name, "sp_size=2", "sp_size=1", *fragments]:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+
+
+@pytest.mark.parametrize("model_type", list(EXACT))
+def test_attention_only_models_pass(model_type: str) -> None:
+    model = build_model(model_type, EXACT[model_type])
+    assert sequence_mixers(model) == []
+    check_sequence_mixers(model, 2)
+
+
+def test_layer_types_alone_are_enough() -> None:
+    """A config that declares a linear-attention layer is refused even if no module name gives it away."""
+    model = build_model("llama", "LlamaForCausalLM")
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    found = sequence_mixers(model)
+    assert found == [("config.layer_types[1]", "linear_attention", "a non-attention layer type")]
+
+
+def test_hook_sits_where_the_attention_kwargs_flow() -> None:
+    """OPTForCausalLM calls ``model.decoder`` directly: the pre-hook must be on the decoder, not on ``model``."""
+    assert type(_decoder(build_model("opt", "OPTForCausalLM"))).__name__ == "OPTDecoder"
+    assert type(_decoder(build_model("llama", "LlamaForCausalLM"))).__name__ == "LlamaModel"
