@@ -21,6 +21,7 @@ from transformers.utils import logging
 from .attention import UlyssesAttention, all_gather_along, validate_model_for_sp
 from .attention.ulysses import VARLEN_KEY, head_counts
 from .distributed.teardown import register_exit_hook
+from .mixers.swap import attach_mixers, check_mixer_kernels, release_mixers
 from .router_loss import RouterLoss, sp_router_loss
 from .sharding import SequenceSharding
 from .topology import SPTopology, release_groups, sp_topology
@@ -58,6 +59,7 @@ class SequenceParallel:
         before ``dist.destroy_process_group()``); also what leaving ``with apply_sequence_parallel(...) as sp:`` does.
         """
         self.detach()
+        release_mixers()
         release_groups()
 
     def __enter__(self) -> SequenceParallel:
@@ -103,11 +105,13 @@ def apply_sequence_parallel(
     """
     kernel = attn_implementation or default_kernel(model)
     ulysses, ring = validate_model_for_sp(model, sp_size, ring_size, kernel)
+    check_mixer_kernels(model)
     register_exit_hook()  # a script that never calls remove() or destroys its groups still exits cleanly
     topology = sp_topology(sp_size, ring)
     sharding = SequenceSharding(sp_size, ring)
     attention = UlyssesAttention(topology, sharding, kernel)
     attention.attach(model)
+    attach_mixers(model, topology, sharding)  # hybrid layers' convs and recurrences, exact across the ranks
     router_loss = sp_router_loss(model, topology.sp_group)
     if topology.rank == 0:
         heads, kv_heads = head_counts(model.config)

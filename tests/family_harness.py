@@ -146,9 +146,7 @@ def tiny_configs(model_type: str, router_logits: bool = True):
         kwargs["output_router_logits"] = router_logits
     kwargs.update({k: 0.0 for k, v in default.to_dict().items() if _is_dropout(k, v)})  # same random draws: none
     n_default = default.num_hidden_layers
-    per_layer = {
-        k: v for k, v in default.to_dict().items() if isinstance(v, (list, str)) and len(v) == n_default > 2
-    }
+    per_layer = {k: v for k, v in default.to_dict().items() if isinstance(v, (list, str)) and len(v) == n_default > 2}
     indices = {k: v for k, v in per_layer.items() if all(isinstance(i, int) for i in v)}  # e.g. full_attn_idxs
     per_layer = {k: v for k, v in per_layer.items() if k not in indices}
     if "layer_types" in known and getattr(default, "layer_types", None) is None:  # derived at model build
@@ -245,7 +243,21 @@ def build_model(model_type: str, class_name: str, seed: int = 0, router_logits: 
         for p in model.parameters():
             if p.is_floating_point():
                 p.add_(torch.randn_like(p) * 0.02)
+    weak_decay(model)
     return model.eval()  # no dropout, no training-time sampling (PhiMoE's sparsemixer): gradients all the same
+
+
+def weak_decay(model: torch.nn.Module, seed: int = 0) -> None:
+    """Recurrent layers (GDN, Mamba2: ``A_log``, ``dt_bias``) with weak decay, ``g = -exp(A_log) softplus(dt)`` of
+    about -0.01 to -0.06 per token: their state then reaches across documents and ranks, so a dropped or wrong state
+    shows (the default init forgets within a few tokens, which also leaves the decay's gradients at fp32 noise)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.1, 0.5, generator=gen).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.full(p.shape, -2.0) + 0.1 * torch.randn(p.shape, generator=gen))
 
 
 # ----------------------------------------------------------------------------------------------------------------

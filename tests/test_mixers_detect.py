@@ -8,10 +8,11 @@ import pytest
 from hf_sp_trainer.attention import validate_model_for_sp
 from hf_sp_trainer.attention.ulysses import _decoder
 from hf_sp_trainer.mixers import check_sequence_mixers, sequence_mixers
+from hf_sp_trainer.mixers.detect import covered_mixers
 from tests.family_harness import build_model
 
 REFUSED = {  # model type, class: what the error must name
-    "lfm2": ("Lfm2ForCausalLM", ["Lfm2ShortConv", "model.layers.1.conv"]),
+    "zaya": ("ZayaForCausalLM", ["Conv1d", "a convolution over the sequence"]),
     "granitemoehybrid": ("GraniteMoeHybridForCausalLM", ["GraniteMoeHybridMambaLayer"]),
     "minimax": ("MiniMaxForCausalLM", ["MiniMaxLightningAttention"]),
     "recurrent_gemma": ("RecurrentGemmaForCausalLM", ["RecurrentGemmaRecurrentBlock"]),
@@ -40,6 +41,36 @@ def test_attention_only_models_pass(model_type: str) -> None:
     model = build_model(model_type, EXACT[model_type])
     assert sequence_mixers(model) == []
     check_sequence_mixers(model, 2)
+
+
+COVERED = {  # hybrid models whose mixers SP runs exactly (hf_sp_trainer.mixers.swap): model type -> class, a mixer
+    "lfm2": ("Lfm2ForCausalLM", "Lfm2ShortConv"),
+    "qwen3_5_text": ("Qwen3_5ForCausalLM", "Qwen3_5GatedDeltaNet"),
+    "olmo_hybrid": ("OlmoHybridForCausalLM", "OlmoHybridGatedDeltaNet"),
+}
+
+
+@pytest.mark.parametrize("model_type", list(COVERED))
+def test_covered_hybrid_mixers_pass(model_type: str) -> None:
+    class_name, mixer = COVERED[model_type]
+    model = build_model(model_type, class_name)
+    covered = covered_mixers(model)
+    assert covered and all(type(model.get_submodule(c)).__name__ == mixer for c in covered)
+    assert sequence_mixers(model) == []
+    validate_model_for_sp(model, 2)
+
+
+def test_covered_only_through_the_swapped_kernels() -> None:
+    """A GDN layer whose forward also calls its conv module directly is not covered (the halo would be skipped)."""
+    model = build_model("qwen3_5_text", "Qwen3_5ForCausalLM")
+    gdn = next(m for m in model.modules() if type(m).__name__ == "Qwen3_5GatedDeltaNet")
+
+    class DirectConv(type(gdn)):
+        def forward(self, hidden_states, **kwargs):
+            return self.conv1d(hidden_states.transpose(1, 2)).transpose(1, 2)
+
+    gdn.__class__ = DirectConv
+    assert any(cls == "Conv1d" for _, cls, _ in sequence_mixers(model))
 
 
 def test_layer_types_alone_are_enough() -> None:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from ..mixers.detect import check_sequence_mixers
+from ..mixers.detect import check_sequence_mixers, uses_attention_registry
 from ..sharding import SequenceSharding, check_sp_padding
 from ..topology import SPTopology, split_sp_size
 from .all_to_all import all_gather_along, all_to_all
@@ -83,7 +83,7 @@ def validate_model_for_sp(
     """Raise a ``ValueError`` (the same on every rank, before any collective) if ``model`` can't run SP; else return
     the ``(ulysses, ring)`` split of ``sp_size`` for its heads."""
     name = type(model).__name__
-    if not getattr(model, "_supports_attention_backend", False):
+    if not uses_attention_registry(model):
         raise ValueError(
             f"{name} computes attention without the transformers attention registry (AttentionInterface), so "
             f"sequence parallelism (sp_size={sp_size}) can't be plugged in. Use a model whose class sets "

@@ -16,6 +16,7 @@ from functools import cache
 
 import torch
 from torch.nn.modules.conv import _ConvNd
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 # Class names of non-attention sequence mixers (state spaces, linear attention, recurrences, short convolutions).
 MIXER_CLASS = re.compile(
@@ -24,6 +25,13 @@ MIXER_CLASS = re.compile(
 # Layer types (config.layer_types and the like) naming a non-attention sequence mixer.
 MIXER_TYPE = re.compile(r"linear|conv|mamba|ssm|recurren|rglru|delta|rwkv|lstm|retention", re.IGNORECASE)
 LAYER_TYPE_FIELDS = ("layer_types", "layers_block_type", "block_types", "layers_type")
+# transformers' module-level kernels that hf_sp_trainer.mixers.swap replaces with exact SP versions: a mixer whose
+# forward mixes the sequence only through these runs exactly under SP.
+SP_KERNELS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
+# Kernels of cached decoding only (unreachable under SP, which runs without a cache; swapped to raise if reached).
+DECODE_ONLY_KERNELS = ("causal_conv1d_update", "torch_recurrent_gated_delta_rule")
+# Names of functions that mix the sequence (a mixer calling one not in SP_KERNELS is not covered).
+MIXING_FUNCTION = re.compile(r"conv|delta_rule|scan|selective|recurren|lightning|ssd|wkv|lstm|mamba|rglru", re.I)
 HYBRID_ADVICE = (
     "Use sp_size=1 for this model (sequence parallelism for hybrid models with such layers is planned: "
     "hf_sp_trainer.mixers)."
@@ -34,8 +42,11 @@ def sequence_mixers(model: torch.nn.Module) -> list[tuple[str, str, str]]:
     """``(where, class or layer type, what it is)`` for every sequence mixer SP can't split, in model order."""
     found = []
     family = re.split(r"For[A-Z]|Model|LMHead", type(model).__name__)[0]  # "RecurrentGemma": not itself a hint
+    covered = covered_mixers(model)
     for name, module in model.named_modules():
         cls = type(module).__name__
+        if name in covered or any(name.startswith(f"{c}.") or c.startswith(f"{name}.") for c in covered):
+            continue  # a mixer SP runs exactly, a part of it, or a layer holding it (checked on its own)
         if isinstance(module, _ConvNd):
             found.append((name, cls, "a convolution over the sequence"))
         elif MIXER_CLASS.search(cls.removeprefix(family)) and not _is_inside(name, found):
@@ -53,12 +64,56 @@ def sequence_mixers(model: torch.nn.Module) -> list[tuple[str, str, str]]:
                 if "sliding_window" not in inspect.getsource(type(module)):  # Qwen2-MoE sets it on sliding layers
                     what = "an attention whose sliding window lives only in the mask SP drops"
                     found.append((name, type(module).__name__, what))
+    layers = [name for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
     for field in LAYER_TYPE_FIELDS:
         types = getattr(text, field, None) or []
         for i, kind in enumerate(types if isinstance(types, (list, tuple)) else []):
-            if isinstance(kind, str) and MIXER_TYPE.search(kind):
+            exact = i < len(layers) and any(c.startswith(f"{layers[i]}.") for c in covered)
+            if isinstance(kind, str) and MIXER_TYPE.search(kind) and not exact:
                 found.append((f"config.{field}[{i}]", kind, "a non-attention layer type"))
     return found
+
+
+def uses_attention_registry(model: torch.nn.Module) -> bool:
+    """The model's attention goes through the transformers attention registry: its class says so, or (hybrid
+    models such as Qwen3.5, which don't set ``_supports_attention_backend``) no attention module of it computes
+    attention itself, and it has attention calling the registry's ``attention_interface`` or sequence mixers
+    (whether those run under SP is ``check_sequence_mixers``' question)."""
+    if getattr(model, "_supports_attention_backend", False):
+        return True
+    kinds = [type(m) for m in model.modules()]
+    own = [c for c in kinds if c.__name__.endswith("Attention") and not _calls_attention(c)]
+    own = [c for c in own if not MIXER_CLASS.search(c.__name__)]
+    return not own and any(_calls_attention(c) or MIXER_CLASS.search(c.__name__) for c in kinds)
+
+
+def covered_mixers(model: torch.nn.Module) -> set[str]:
+    """Paths of the mixers SP runs exactly: state-space / linear / conv layers whose forward mixes the sequence only
+    through ``SP_KERNELS`` (never calling a convolution module of their own)."""
+    covered = set()
+    for name, module in model.named_modules():
+        if not MIXER_CLASS.search(type(module).__name__) or any(name.startswith(f"{c}.") for c in covered):
+            continue
+        calls = _global_calls(type(module))
+        mixing = {c for c in calls if MIXING_FUNCTION.search(c)}
+        convs = [n for n, child in module.named_children() if isinstance(child, _ConvNd)]
+        if (
+            mixing & set(SP_KERNELS)
+            and mixing <= set(SP_KERNELS) | set(DECODE_ONLY_KERNELS)
+            and not any(_self_call(type(module), n) for n in convs)
+        ):
+            covered.add(name)
+    return covered
+
+
+@cache
+def _global_calls(cls: type) -> frozenset[str]:
+    """Names of the plain functions ``cls.forward`` calls (``f(...)``, not ``self.f(...)``)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    return frozenset(n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name))
 
 
 def check_sequence_mixers(model: torch.nn.Module, sp_size: int) -> None:

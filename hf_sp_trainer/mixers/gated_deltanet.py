@@ -1,0 +1,82 @@
+"""Gated DeltaNet (Qwen3.5, Qwen3-Next, OLMo-hybrid, ...) under SP, exact: the chunked delta rule over this rank's
+runs, with the state carried in from the runs before them (``linear_state``).
+
+The delta rule ``S_t = exp(g_t) (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T`` acts on the left of the ``[K, V]``
+state, column by column, so one call of the model's own kernel on values ``[v | 0]`` from the initial state
+``[0 | I]`` yields a run's output from zero, its ``S_ext`` and its transition ``M`` (``[K, K]``) at once. Each
+document segment inside a run is computed alone (packed documents never leak into each other), and the segment
+that continues a document from an earlier rank adds the kernel's output for values 0 from the incoming state:
+``o(v, S_in) = o(v, 0) + o(0, S_in)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .linear_state import incoming_states, touch
+from .runs import ShardRuns
+
+
+def sp_chunk_gated_delta_rule(
+    core: Callable,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    runs: ShardRuns,
+    group: dist.ProcessGroup,
+    **options,
+) -> tuple[torch.Tensor, None]:
+    """The model's chunked delta-rule ``core`` on this rank's shard (``[b, L, heads, dim]``, ``g``/``beta``
+    ``[b, L, v_heads]``), each document as if alone. ``options``: the core's other keyword arguments."""
+    if options.pop("initial_state", None) is not None or options.pop("output_final_state", False):
+        raise ValueError("Gated DeltaNet under sequence parallelism runs without a cache (use_cache=False).")
+    options.pop("cu_seqlens", None)
+    b, _, v_heads, v_dim = value.shape
+    k_dim = key.shape[-1]
+    eye = torch.eye(k_dim, dtype=torch.float32, device=value.device)
+    outputs = [[None] * len(runs.mine) for _ in range(b)]
+    summaries = value.new_zeros((runs.max_runs, b, v_heads, k_dim, v_dim + k_dim), dtype=torch.float32)
+    pending = []  # (row, run position, run, first segment slice) to correct with the incoming state
+
+    def call(row: int, sl: slice, v: torch.Tensor, state: torch.Tensor | None, final: bool):
+        q, k, gate, b_ = (t[row : row + 1, sl] for t in (query, key, g, beta))
+        return core(q, k, v, gate, b_, initial_state=state, output_final_state=final, **options)
+
+    for row in range(b):
+        for i, run in enumerate(runs.mine):
+            cuts = runs.starts_in(row, run)
+            continues = not cuts or cuts[0] != 0
+            edges = sorted({0, *cuts, run.length})
+            pieces = []
+            for n, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
+                sl = slice(run.local_start + lo, run.local_start + hi)
+                v = value[row : row + 1, sl]
+                last = n == len(edges) - 2
+                if continues and not cuts:  # one segment, continuing a document: output, S_ext and M in one call
+                    widened = torch.cat([v, v.new_zeros(*v.shape[:-1], k_dim)], -1)
+                    state = torch.cat([eye.new_zeros(k_dim, v_dim), eye], -1).expand(1, v_heads, k_dim, -1)
+                    out, final = call(row, sl, widened, state.contiguous(), True)
+                    pieces.append(out[..., :v_dim])
+                    summaries[run.index, row] = final[0]
+                else:
+                    out, final = call(row, sl, v, None, last)
+                    pieces.append(out)
+                    if last:
+                        summaries[run.index, row, ..., :v_dim] = final[0]
+                if n == 0 and continues:
+                    pending.append((row, i, run, sl))
+            outputs[row][i] = pieces
+
+    incoming, gathered = incoming_states(summaries, runs, group, v_dim)
+    for row, i, run, sl in pending:
+        state = incoming[run.index][row : row + 1]
+        correction, _ = call(row, sl, value.new_zeros(value[row : row + 1, sl].shape), state, False)
+        outputs[row][i][0] = outputs[row][i][0] + correction
+    rows = [torch.cat([p for pieces in per_run for p in pieces], dim=1) for per_run in outputs]
+    out = torch.cat(rows, dim=0) if b > 1 else rows[0]
+    return touch(out, gathered), None

@@ -1,0 +1,35 @@
+"""The one collective of the hybrid mixers: a differentiable all-gather of small per-rank summaries.
+
+Forward: every rank's ``x`` stacked as ``[P, ...]``. Backward: each rank's gradient is the sum over ranks of what
+they propagated into its slice (an all-reduce of the gathered gradient, then this rank's slice: the payloads are
+conv halos and recurrent-state summaries, small and independent of the sequence length). Buffers are contiguous,
+as gloo needs for inputs and outputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class _AllGatherStack(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        world = dist.get_world_size(group)
+        out = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x.unsqueeze(0).contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
+
+
+def all_gather_stack(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[P, *x.shape]``: ``x`` of every rank of ``group`` in rank order, with the exact gradient back to each rank."""
+    if dist.get_world_size(group) == 1:
+        return x.unsqueeze(0)
+    return _AllGatherStack.apply(x, group)

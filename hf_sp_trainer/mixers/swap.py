@@ -1,0 +1,161 @@
+"""Plugging the SP mixers into transformers' hybrid layers, in one place.
+
+transformers' hybrid layers call module-level kernel functions of their modeling module (``causal_conv1d_fn``,
+``torch_chunk_gated_delta_rule``, ...) with the decoder's ``**kwargs``, which under SP carry the whole sequence's
+document bounds. ``attach_mixers`` swaps each such function of the model's modeling modules for an entry that runs
+the exact SP version when those bounds are present (an SP forward) and transformers' function otherwise. A
+function is swapped only after a check on a small input that the installed one still computes what the SP version
+relies on; a test fails loudly when a release moves or changes one.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..attention.ulysses import BOUNDS_KWARG
+from ..sharding import SequenceSharding
+from ..topology import SPTopology
+from .causal_conv import sp_causal_conv1d
+from .detect import DECODE_ONLY_KERNELS, SP_KERNELS
+from .gated_deltanet import sp_chunk_gated_delta_rule
+from .runs import shard_runs
+
+
+@dataclass
+class MixerContext:
+    topology: SPTopology
+    sharding: SequenceSharding
+
+    def runs(self, bounds: torch.Tensor, rows: int):
+        return shard_runs(bounds, rows, self.sharding, self.topology.sp_rank)
+
+
+_CONTEXT: list[MixerContext] = []  # the SP of the last model attached (one per process, like the attention)
+
+
+def _conv_entry(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        bounds = kwargs.get(BOUNDS_KWARG)
+        if bounds is None or not _CONTEXT:
+            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+        ctx = _CONTEXT[-1]
+        runs = ctx.runs(bounds, hidden_states.shape[0])
+        return sp_causal_conv1d(hidden_states, weight, bias, activation, runs, ctx.topology.sp_group)
+
+    return causal_conv1d_fn
+
+
+def _gdn_entry(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, **kwargs):
+        bounds = kwargs.pop(BOUNDS_KWARG, None)
+        if bounds is None or not _CONTEXT:
+            return original(query, key, value, g, beta, chunk_size, **kwargs)
+        ctx = _CONTEXT[-1]
+        runs = ctx.runs(bounds, query.shape[0])
+        options = {
+            k: kwargs[k] for k in ("initial_state", "output_final_state", "use_qk_l2norm_in_kernel") if k in kwargs
+        }
+        core = functools.partial(original, chunk_size=chunk_size)
+        return sp_chunk_gated_delta_rule(core, query, key, value, g, beta, runs, ctx.topology.sp_group, **options)
+
+    return torch_chunk_gated_delta_rule
+
+
+def _decode_only_entry(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def decode_kernel(*args, **kwargs):
+        if kwargs.get(BOUNDS_KWARG) is not None:
+            raise ValueError(f"{original.__name__} (cached decoding) can't run under sequence parallelism.")
+        return original(*args, **kwargs)
+
+    return decode_kernel
+
+
+ENTRIES: dict[str, Callable[[Callable], Callable]] = {
+    "causal_conv1d_fn": _conv_entry,
+    "torch_chunk_gated_delta_rule": _gdn_entry,
+}
+assert set(ENTRIES) == set(SP_KERNELS), "detect.SP_KERNELS must name exactly the swapped kernels"
+
+
+def attach_mixers(model: torch.nn.Module, topology: SPTopology, sharding: SequenceSharding) -> list[str]:
+    """Swap the SP kernels into ``model``'s modeling modules (idempotent) and make this SP the active one; returns
+    ``module.function`` for every swapped function."""
+    swapped = []
+    for module_name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(module_name)
+        if module is None or not module_name.startswith("transformers.models."):
+            continue
+        for name, entry in {**ENTRIES, **dict.fromkeys(DECODE_ONLY_KERNELS, _decode_only_entry)}.items():
+            fn = getattr(module, name, None)
+            if fn is None:
+                continue
+            if not hasattr(fn, "_hf_sp_original"):
+                check_kernel(module_name, name, fn)
+                wrapped = entry(fn)
+                wrapped._hf_sp_original = fn
+                setattr(module, name, wrapped)
+            swapped.append(f"{module_name}.{name}")
+    _CONTEXT[:] = [MixerContext(topology, sharding)]
+    return swapped
+
+
+def check_mixer_kernels(model: torch.nn.Module) -> None:
+    """The checks of ``attach_mixers`` alone, with no side effect: a ``ValueError`` before any collective."""
+    for module_name in sorted({type(m).__module__ for m in model.modules()}):
+        module = sys.modules.get(module_name)
+        if module is None or not module_name.startswith("transformers.models."):
+            continue
+        for name in ENTRIES:
+            fn = getattr(module, name, None)
+            if fn is not None:
+                check_kernel(module_name, name, getattr(fn, "_hf_sp_original", fn))
+
+
+def release_mixers() -> None:
+    """No SP is active any more: the swapped kernels call transformers' own everywhere."""
+    _CONTEXT.clear()
+
+
+def check_kernel(module_name: str, name: str, fn: Callable) -> None:
+    """Raise unless the installed ``fn`` still computes what its SP version relies on (a small CPU input)."""
+    ok = _CHECKS.get(name, lambda fn: True)(fn)
+    if not ok:
+        raise ValueError(
+            f"{module_name}.{name} no longer computes what hf_sp_trainer's sequence-parallel version of it assumes "
+            "(this transformers version changed it); use sp_size=1 for this model or a supported transformers."
+        )
+
+
+@functools.cache
+def _conv_ok(fn: Callable) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(2, 3, 7, generator=gen), torch.randn(3, 4, generator=gen), torch.randn(3, generator=gen)
+    expected = F.silu(F.conv1d(x, w.unsqueeze(1), b, padding=3, groups=3)[..., :7])
+    return torch.allclose(fn(x, w, b, activation="silu"), expected, atol=1e-6)
+
+
+@functools.cache
+def _gdn_ok(fn: Callable) -> bool:
+    """Affine in the initial state, column by column: what the SP delta rule's ``[v | 0]`` / ``[0 | I]`` call uses."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 1, 5, 2, 4, generator=gen)
+    v, zeros = torch.randn(1, 5, 2, 3, generator=gen), torch.zeros(1, 5, 2, 3)
+    g, beta = -torch.rand(1, 5, 2, generator=gen), torch.rand(1, 5, 2, generator=gen)
+    s0 = torch.randn(1, 2, 4, 3, generator=gen)
+    run = functools.partial(fn, chunk_size=2, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    out, final = run(q, k, v, g, beta, initial_state=s0)
+    out_v, final_v = run(q, k, v, g, beta, initial_state=None)
+    out_s, final_s = run(q, k, zeros, g, beta, initial_state=s0)
+    return torch.allclose(out, out_v + out_s, atol=1e-5) and torch.allclose(final, final_v + final_s, atol=1e-5)
+
+
+_CHECKS: dict[str, Callable[[Callable], bool]] = {"causal_conv1d_fn": _conv_ok, "torch_chunk_gated_delta_rule": _gdn_ok}
