@@ -22,7 +22,7 @@ def _segments(docs: list[int]) -> list[tuple[int, int]]:
     edges = [0]
     for d in docs:
         edges.append(edges[-1] + d)
-    return list(zip(edges[:-1], edges[1:]))
+    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -74,7 +74,7 @@ def check_gdn(
     )
     (out * weight[:, index]).sum().backward()
     result = {"out": _rel(out.detach(), ref.detach()[:, index])}
-    for name, t, g in zip(("q", "k", "v", "g", "beta"), local, ref_grads):
+    for name, t, g in zip(("q", "k", "v", "g", "beta"), local, ref_grads, strict=True):
         result[name] = _rel(t.grad, g[:, index])
     return _max_over_ranks(result)
 
@@ -120,4 +120,4 @@ def check_conv(docs: list[int], ring_size: int, width: int = 4) -> dict[str, flo
 def _max_over_ranks(result: dict[str, float]) -> dict[str, float]:
     values = torch.tensor(list(result.values()), dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return dict(zip(result, values.tolist()))
+    return dict(zip(result, values.tolist(), strict=True))
