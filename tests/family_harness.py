@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tests.harness import weak_decay
+
 TOL = 1e-5
 VOCAB = 128
 DOCS = (13, 9, 18)  # 40 tokens: the second document straddles the sp-2 boundary, every one straddles a ring chunk
@@ -245,19 +247,6 @@ def build_model(model_type: str, class_name: str, seed: int = 0, router_logits: 
                 p.add_(torch.randn_like(p) * 0.02)
     weak_decay(model)
     return model.eval()  # no dropout, no training-time sampling (PhiMoE's sparsemixer): gradients all the same
-
-
-def weak_decay(model: torch.nn.Module, seed: int = 0) -> None:
-    """Recurrent layers (GDN, Mamba2: ``A_log``, ``dt_bias``) with weak decay, ``g = -exp(A_log) softplus(dt)`` of
-    about -0.01 to -0.06 per token: their state then reaches across documents and ranks, so a dropped or wrong state
-    shows (the default init forgets within a few tokens, which also leaves the decay's gradients at fp32 noise)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(0.1, 0.5, generator=gen).log())
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.full(p.shape, -2.0) + 0.1 * torch.randn(p.shape, generator=gen))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -35,11 +35,21 @@ MOE_FAMILIES = {  # not dense per-token MLPs (tiled_mlp refuses them)
     "deepseek_v3": "DeepseekV3Config",  # MLA: q/k head dim 24 != v head dim 16; MoE after a dense first layer
     "glm4_moe_lite": "Glm4MoeLiteConfig",  # GLM-4.7-Flash: MLA, MoE after a dense first layer
 }
+# Hybrid models (their linear / SSM / conv layers run exactly under SP through hf_sp_trainer.mixers). transformers'
+# own single-process forward leaks their state across position_ids-packed documents, so their references train on
+# right-padded rows, one document each: what one device computes for each document alone.
+HYBRID_FAMILIES = {
+    "qwen3_5": "Qwen3_5TextConfig",  # Gated DeltaNet (conv + delta rule) and gated full attention
+    "lfm2": "Lfm2Config",  # gated short convolutions and attention
+}
 # MoE families with the router's load-balancing loss on (a coefficient large enough to matter in every comparison)
 MOE_ROUTER_LOSS = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5),
     "qwen3_moe": dict(
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, output_router_logits=True,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        output_router_logits=True,
         router_aux_loss_coef=0.5,
     ),
 }
@@ -60,7 +70,29 @@ FAMILY_OVERRIDES = {
     ),  # fmt: skip
     "deepseek_v3": dict(first_k_dense_replace=1, rope_parameters=dict(YARN, mscale_all_dim=1.0), **MLA),  # mscale
     "glm4_moe_lite": dict(mlp_layer_types=["dense", "sparse"], **MLA),
+    "qwen3_5": dict(
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+    ),  # fmt: skip
+    "lfm2": dict(layer_types=["conv", "full_attention"], conv_L_cache=3, block_ff_dim=128),
 }
+
+
+def weak_decay(model: torch.nn.Module, seed: int = 0) -> None:
+    """Recurrent layers (GDN, Mamba2: ``A_log``, ``dt_bias``) with weak decay, ``g = -exp(A_log) softplus(dt)`` of
+    about -0.01 to -0.06 per token: their state then reaches across documents and ranks, so a dropped or wrong state
+    shows (the default init forgets within a few tokens, which also leaves the decay's gradients at fp32 noise)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.1, 0.5, generator=gen).log())
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.full(p.shape, -2.0) + 0.1 * torch.randn(p.shape, generator=gen))
 
 
 def init_large_sinks(model, seed: int = 0) -> None:
@@ -147,7 +179,7 @@ def unwrap_results(results: list[Any]) -> list[Any]:
 def tiny_model(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
     import transformers
 
-    config_cls = getattr(transformers, FAMILIES.get(family) or MOE_FAMILIES[family])
+    config_cls = getattr(transformers, {**FAMILIES, **MOE_FAMILIES, **HYBRID_FAMILIES}[family])
     base = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -178,6 +210,7 @@ def tiny_model(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     init_large_sinks(model, seed)
+    weak_decay(model, seed)
     return model.float()
 
 
@@ -349,11 +382,29 @@ def build_trainer(case: Case, sp: bool, out_dir: str, ddp: bool = False, **extra
         args = transformers.TrainingArguments(
             per_device_train_batch_size=per_device, **common, **(dict(ddp_backend="gloo") if ddp else {})
         )
-        collator = DataCollatorWithFlattening(return_position_ids=True)
+        collator = pad_rows if case.family in HYBRID_FAMILIES else DataCollatorWithFlattening(return_position_ids=True)
         trainer = transformers.Trainer(
             model=model, args=args, train_dataset=train, eval_dataset=evals, data_collator=collator
         )
     return model, trainer, evals
+
+
+def pad_rows(features: list[dict]) -> dict[str, torch.Tensor]:
+    """One right-padded row per example (``attention_mask`` 0 on the padding): each document computed alone."""
+    longest = max(len(f["input_ids"]) for f in features)
+    ids, labels, mask = [], [], []
+    for f in features:
+        pad = longest - len(f["input_ids"])
+        ids.append(list(f["input_ids"]) + [0] * pad)
+        labels.append(list(f.get("labels", f["input_ids"])) + [-100] * pad)
+        mask.append([1] * len(f["input_ids"]) + [0] * pad)
+    return {k: torch.tensor(v) for k, v in (("input_ids", ids), ("labels", labels), ("attention_mask", mask))}
+
+
+def packed_predictions(predictions: torch.Tensor, examples: list[dict]) -> torch.Tensor:
+    """Right-padded rows' ``[b, s, ...]`` predictions laid end to end, as a packed row ``[1, sum of lengths, ...]``."""
+    rows = [predictions[i, : len(e["input_ids"])] for i, e in enumerate(examples)]
+    return torch.cat(rows).unsqueeze(0)
 
 
 def logged_steps(trainer) -> list[tuple[float, float]]:
@@ -378,6 +429,9 @@ def train_case(case: Case, sp: bool, out_dir: str, ddp: bool = False) -> dict:
     empty_shards = sum(int((x["shift_labels"] != -100).sum() == 0) for x in seen if "shift_labels" in x)
     eval_loss = trainer.evaluate()["eval_loss"]
     prediction = trainer.predict(evals[: case.eval_batch_size])  # one batch: logits gathered back along the sequence
+    predictions = torch.as_tensor(_logits(prediction.predictions)).float()
+    if not sp and case.family in HYBRID_FAMILIES:
+        predictions = packed_predictions(predictions, evals[: case.eval_batch_size])
     logs = logged_steps(trainer)
     distributed = sp or ddp
     params = full_parameters(model) if distributed else {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -387,7 +441,7 @@ def train_case(case: Case, sp: bool, out_dir: str, ddp: bool = False) -> dict:
         "eval_loss": eval_loss,
         "global_step": trainer.state.global_step,
         "empty_shards": empty_shards,
-        "predictions": torch.as_tensor(_logits(prediction.predictions)).float(),
+        "predictions": predictions,
         "test_loss": prediction.metrics["test_loss"],
         "params": params if not distributed or dist.get_rank() == 0 else None,
         "init": init if not distributed or dist.get_rank() == 0 else None,

@@ -1,7 +1,9 @@
-"""Kernel-level exactness of the hybrid mixers under SP: random inputs of one packed row, each SP rank runs its
+"""Kernel-level exactness of the hybrid mixers under SP: random inputs of a packed batch, each SP rank runs its
 shard through the SP kernel, against transformers' own kernel run on each document alone (one process)."""
 
 from __future__ import annotations
+
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -12,13 +14,13 @@ from hf_sp_trainer.mixers.causal_conv import sp_causal_conv1d
 from hf_sp_trainer.mixers.gated_deltanet import sp_chunk_gated_delta_rule
 from hf_sp_trainer.mixers.runs import shard_runs
 from hf_sp_trainer.sharding import SequenceSharding
-from hf_sp_trainer.topology import sp_topology
+from hf_sp_trainer.topology import release_groups, sp_topology
 
-CONV = qwen3_5.causal_conv1d_fn
-GDN = qwen3_5.torch_chunk_gated_delta_rule
+CONV = getattr(qwen3_5.causal_conv1d_fn, "_hf_sp_original", qwen3_5.causal_conv1d_fn)
+GDN = getattr(qwen3_5.torch_chunk_gated_delta_rule, "_hf_sp_original", qwen3_5.torch_chunk_gated_delta_rule)
 
 
-def _segments(docs: list[int]) -> list[tuple[int, int]]:
+def segments(docs: list[int]) -> list[tuple[int, int]]:
     edges = [0]
     for d in docs:
         edges.append(edges[-1] + d)
@@ -29,95 +31,89 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-12))
 
 
-def gdn_inputs(
-    total: int, heads: int = 2, k_dim: int = 8, v_dim: int = 6, decay: float = 0.05, seed: int = 0, k_heads: int = 0
-):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, total, k_heads or heads, k_dim, generator=gen)
-    k = torch.randn(1, total, k_heads or heads, k_dim, generator=gen)
-    v = torch.randn(1, total, heads, v_dim, generator=gen)
-    g = -decay * torch.rand(1, total, heads, generator=gen)  # weak decay: long-range state matters
-    beta = torch.rand(1, total, heads, generator=gen)
-    return [t.requires_grad_() for t in (q, k, v, g, beta)]
+def _setup(rows: list[list[int]], ring_size: int):
+    topo = sp_topology(dist.get_world_size(), ring_size)
+    sharding = SequenceSharding(topo.sp_size, ring_size)
+    total = sum(rows[0])
+    assert all(sum(r) == total for r in rows) and total % sharding.multiple == 0, (rows, sharding.multiple)
+    bounds = document_bounds([segments(r) for r in rows], total)
+    runs = shard_runs(bounds, len(rows), sharding, topo.sp_rank)
+    return topo, sharding.positions(total, topo.sp_rank), runs, total
 
 
-def conv_inputs(total: int, channels: int = 5, width: int = 4, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, channels, total, generator=gen)
-    w = torch.randn(channels, width, generator=gen)
-    b = torch.randn(channels, generator=gen)
-    return [t.requires_grad_() for t in (x, w, b)]
+def _per_document(fn, rows: list[list[int]], dim: int, *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn`` on each document of each row alone, concatenated back along ``dim``."""
+    out = []
+    for r, docs in enumerate(rows):
+        parts = [fn(*(t[r : r + 1].narrow(dim, s, e - s) for t in tensors)) for s, e in segments(docs)]
+        out.append(torch.cat(parts, dim))
+    return torch.cat(out, 0)
 
 
 def check_gdn(
-    docs: list[int], ring_size: int, chunk: int = 64, state_passing: bool = True, decay: float = 0.05, k_heads: int = 0
+    rows: list[list[int]],
+    ring_size: int = 1,
+    *,
+    chunk: int = 64,
+    decay: float = 0.05,
+    heads: int = 4,
+    k_heads: int = 2,
+    carry_state: bool = True,
 ) -> dict[str, float]:
-    """Max relative difference of the output and of every input's gradient, SP vs document by document."""
-    topo = sp_topology(dist.get_world_size(), ring_size)
-    sharding = SequenceSharding(topo.sp_size, ring_size)
-    total = sum(docs)
-    inputs = gdn_inputs(total, decay=decay, k_heads=k_heads)
-    weight = torch.randn(1, total, inputs[2].shape[2], inputs[2].shape[3], generator=torch.Generator().manual_seed(1))
+    """Max relative difference (over ranks) of the output and of every input's gradient, SP vs document by
+    document, for the gated delta rule (grouped value heads, weak decay unless ``decay`` says otherwise)."""
+    topo, index, runs, total = _setup(rows, ring_size)
+    gen = torch.Generator().manual_seed(0)
+    b = len(rows)
+    q, k = (torch.randn(b, total, k_heads, 8, generator=gen) for _ in range(2))
+    v = torch.randn(b, total, heads, 6, generator=gen)
+    g, beta = -decay * torch.rand(b, total, heads, generator=gen), torch.rand(b, total, heads, generator=gen)
+    inputs = [t.requires_grad_() for t in (q, k, v, g, beta)]
+    probe = torch.randn(v.shape, generator=gen)
     opts = dict(chunk_size=chunk, use_qk_l2norm_in_kernel=True)
-    ref = torch.cat([GDN(*(t[:, s:e] for t in inputs), **opts)[0] for s, e in _segments(docs)], 1)
-    (ref * weight).sum().backward()
-    ref_grads = [t.grad.clone() for t in inputs]
-    for t in inputs:
-        t.grad = None
-    index = sharding.positions(total, topo.sp_rank)
+    ref = _per_document(lambda *t: GDN(*t, **opts)[0], rows, 1, *inputs)
+    (ref * probe).sum().backward()
     local = [t.detach()[:, index].clone().requires_grad_() for t in inputs]
-    bounds = document_bounds([_segments(docs)], total)
-    runs = shard_runs(bounds, 1, sharding, topo.sp_rank)
-    core = GDN if state_passing else _no_state(GDN)
     out, _ = sp_chunk_gated_delta_rule(
-        lambda *a, **kw: core(*a, chunk_size=chunk, **kw), *local, runs, topo.sp_group, use_qk_l2norm_in_kernel=True
-    )
-    (out * weight[:, index]).sum().backward()
+        lambda *a, **kw: GDN(*a, chunk_size=chunk, **kw), *local, runs, topo.sp_group, carry_state=carry_state,
+        use_qk_l2norm_in_kernel=True,
+    )  # fmt: skip
+    (out * probe[:, index]).sum().backward()
     result = {"out": _rel(out.detach(), ref.detach()[:, index])}
-    for name, t, g in zip(("q", "k", "v", "g", "beta"), local, ref_grads, strict=True):
-        result[name] = _rel(t.grad, g[:, index])
+    for name, t, full in zip(("q", "k", "v", "g", "beta"), local, inputs, strict=True):
+        result[name] = _rel(t.grad, full.grad[:, index])
     return _max_over_ranks(result)
 
 
-def _no_state(core):
-    def without(*args, initial_state=None, **kwargs):  # negative control: every run starts from zero
-        if initial_state is not None:
-            initial_state = (
-                torch.zeros_like(initial_state) if initial_state.shape[-1] != initial_state.shape[-2] else initial_state
-            )
-        return core(*args, initial_state=initial_state, **kwargs)
-
-    return without
-
-
-def check_conv(docs: list[int], ring_size: int, width: int = 4) -> dict[str, float]:
-    topo = sp_topology(dist.get_world_size(), ring_size)
-    sharding = SequenceSharding(topo.sp_size, ring_size)
-    total = sum(docs)
-    x, w, b = conv_inputs(total, width=width)
-    weight = torch.randn(1, x.shape[1], total, generator=torch.Generator().manual_seed(1))
-    ref = torch.cat([CONV(x[:, :, s:e], w, b, activation="silu") for s, e in _segments(docs)], -1)
-    (ref * weight).sum().backward()
-    ref_grads = [x.grad.clone(), w.grad.clone(), b.grad.clone()]
-    index = sharding.positions(total, topo.sp_rank)
+def check_conv(rows: list[list[int]], ring_size: int = 1, *, width: int = 4, halo: bool = True) -> dict[str, float]:
+    """The same for the depthwise causal conv (and its weight and bias gradients, summed over the SP ranks)."""
+    topo, index, runs, total = _setup(rows, ring_size)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(len(rows), 5, total, generator=gen).requires_grad_()
+    w, bias = torch.randn(5, width, generator=gen).requires_grad_(), torch.randn(5, generator=gen).requires_grad_()
+    probe = torch.randn(x.shape, generator=gen)
+    ref = _per_document(lambda t: CONV(t, w, bias, activation="silu"), rows, 2, x)
+    (ref * probe).sum().backward()
     xl = x.detach()[:, :, index].clone().requires_grad_()
-    wl, bl = w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
-    bounds = document_bounds([_segments(docs)], total)
-    runs = shard_runs(bounds, 1, sharding, topo.sp_rank)
-    out = sp_causal_conv1d(xl, wl, bl, "silu", runs, topo.sp_group)
-    (out * weight[:, :, index]).sum().backward()
-    for t in (wl, bl):  # parameter gradients are partial per rank: summed like SP's gradient reduction
-        dist.all_reduce(t.grad)
-    result = {
-        "out": _rel(out.detach(), ref.detach()[:, :, index]),
-        "x": _rel(xl.grad, ref_grads[0][:, :, index]),
-        "weight": _rel(wl.grad, ref_grads[1]),
-        "bias": _rel(bl.grad, ref_grads[2]),
-    }
+    wl, bl = w.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+    out = sp_causal_conv1d(xl, wl, bl, "silu", runs, topo.sp_group, halo=halo)
+    (out * probe[:, :, index]).sum().backward()
+    for t in (wl, bl):  # parameter gradients are partial per rank: summed, as SP's gradient reduction does
+        dist.all_reduce(t.grad, group=topo.sp_group)
+    result = {"out": _rel(out.detach(), ref.detach()[:, :, index]), "x": _rel(xl.grad, x.grad[:, :, index])}
+    result.update(weight=_rel(wl.grad, w.grad), bias=_rel(bl.grad, bias.grad))
     return _max_over_ranks(result)
 
 
 def _max_over_ranks(result: dict[str, float]) -> dict[str, float]:
     values = torch.tensor(list(result.values()), dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    release_groups()
     return dict(zip(result, values.tolist(), strict=True))
+
+
+def run_checks(cases: list[tuple[str, str, dict]]) -> dict[str, dict[str, float]]:
+    """In a spawned group: ``(name, "gdn" | "conv", kwargs)`` cases in turn -> each case's differences."""
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    checks = {"gdn": check_gdn, "conv": check_conv}
+    return {name: checks[kind](**kwargs) for name, kind, kwargs in cases}

@@ -25,16 +25,20 @@ def sp_causal_conv1d(
     activation: str | None,
     runs: ShardRuns,
     group: dist.ProcessGroup,
+    halo: bool = True,
 ) -> torch.Tensor:
     """``x [b, C, L]`` (this rank's shard, channels first), ``weight [C, W]`` -> the conv output ``[b, C, L]``, as
-    transformers' ``causal_conv1d_fn`` computes it on each document alone."""
+    transformers' ``causal_conv1d_fn`` computes it on each document alone. ``halo=False`` (a negative control for
+    tests) zero-pads every run instead."""
     width = weight.shape[-1]
-    halo = gather_halos(x, width - 1, runs, group)  # [b, C, max_runs, W-1]
+    halos = gather_halos(x, width - 1, runs, group)  # [b, C, max_runs, W-1]
+    if not halo:
+        halos = halos * 0
     xw = x.to(weight.dtype)
     outputs = []
     for run in runs.mine:
         ext = torch.cat(
-            [halo[:, :, run.index].to(weight.dtype), xw[:, :, run.local_start : run.local_start + run.length]], -1
+            [halos[:, :, run.index].to(weight.dtype), xw[:, :, run.local_start : run.local_start + run.length]], -1
         )
         outputs.append(_masked_taps(ext, weight, bias, runs, run.start, run.length))
     out = torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]

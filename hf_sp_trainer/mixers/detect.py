@@ -41,7 +41,6 @@ HYBRID_ADVICE = (
 def sequence_mixers(model: torch.nn.Module) -> list[tuple[str, str, str]]:
     """``(where, class or layer type, what it is)`` for every sequence mixer SP can't split, in model order."""
     found = []
-    family = re.split(r"For[A-Z]|Model|LMHead", type(model).__name__)[0]  # "RecurrentGemma": not itself a hint
     covered = covered_mixers(model)
     for name, module in model.named_modules():
         cls = type(module).__name__
@@ -49,7 +48,7 @@ def sequence_mixers(model: torch.nn.Module) -> list[tuple[str, str, str]]:
             continue  # a mixer SP runs exactly, a part of it, or a layer holding it (checked on its own)
         if isinstance(module, _ConvNd):
             found.append((name, cls, "a convolution over the sequence"))
-        elif MIXER_CLASS.search(cls.removeprefix(family)) and not _is_inside(name, found):
+        elif _is_mixer_class(model, type(module)) and not _is_inside(name, found):
             found.append((name, cls, "a state-space / linear-attention / recurrent layer"))
         elif getattr(module, "is_causal", True) is False and _calls_attention(type(module)):
             found.append((name, cls, "a bidirectional (is_causal=False) attention (SP attention is causal)"))
@@ -83,8 +82,14 @@ def uses_attention_registry(model: torch.nn.Module) -> bool:
         return True
     kinds = [type(m) for m in model.modules()]
     own = [c for c in kinds if c.__name__.endswith("Attention") and not _calls_attention(c)]
-    own = [c for c in own if not MIXER_CLASS.search(c.__name__)]
-    return not own and any(_calls_attention(c) or MIXER_CLASS.search(c.__name__) for c in kinds)
+    own = [c for c in own if not _is_mixer_class(model, c)]
+    return not own and any(_calls_attention(c) or _is_mixer_class(model, c) for c in kinds)
+
+
+def _is_mixer_class(model: torch.nn.Module, cls: type) -> bool:
+    """``cls``'s name, without the model family's ("RecurrentGemma", "Rwkv": not themselves hints), names a mixer."""
+    family = re.split(r"For[A-Z]|Model|LMHead", type(model).__name__)[0]
+    return bool(MIXER_CLASS.search(cls.__name__.removeprefix(family)))
 
 
 def covered_mixers(model: torch.nn.Module) -> set[str]:
@@ -92,7 +97,7 @@ def covered_mixers(model: torch.nn.Module) -> set[str]:
     through ``SP_KERNELS`` (never calling a convolution module of their own)."""
     covered = set()
     for name, module in model.named_modules():
-        if not MIXER_CLASS.search(type(module).__name__) or any(name.startswith(f"{c}.") for c in covered):
+        if not _is_mixer_class(model, type(module)) or any(name.startswith(f"{c}.") for c in covered):
             continue
         calls = _global_calls(type(module))
         mixing = {c for c in calls if MIXING_FUNCTION.search(c)}

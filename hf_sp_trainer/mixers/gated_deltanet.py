@@ -29,10 +29,12 @@ def sp_chunk_gated_delta_rule(
     beta: torch.Tensor,
     runs: ShardRuns,
     group: dist.ProcessGroup,
+    carry_state: bool = True,
     **options,
 ) -> tuple[torch.Tensor, None]:
     """The model's chunked delta-rule ``core`` on this rank's shard (``[b, L, heads, dim]``, ``g``/``beta``
-    ``[b, L, v_heads]``), each document as if alone. ``options``: the core's other keyword arguments."""
+    ``[b, L, v_heads]``), each document as if alone. ``options``: the core's other keyword arguments.
+    ``carry_state=False`` (a negative control for tests) starts every run from a zero state."""
     if options.pop("initial_state", None) is not None or options.pop("output_final_state", False):
         raise ValueError("Gated DeltaNet under sequence parallelism runs without a cache (use_cache=False).")
     options.pop("cu_seqlens", None)
@@ -73,7 +75,7 @@ def sp_chunk_gated_delta_rule(
             outputs[row][i] = pieces
 
     incoming, gathered = incoming_states(summaries, runs, group, v_dim)
-    for row, i, run, sl in pending:
+    for row, i, run, sl in pending if carry_state else []:
         state = incoming[run.index][row : row + 1]
         correction, _ = call(row, sl, value.new_zeros(value[row : row + 1, sl].shape), state, False)
         outputs[row][i][0] = outputs[row][i][0] + correction

@@ -18,7 +18,7 @@ class _AllGatherStack(torch.autograd.Function):
         ctx.group = group
         world = dist.get_world_size(group)
         out = torch.empty((world, *x.shape), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(out, x.unsqueeze(0).contiguous(), group=group)
+        _gather_into(out, x.unsqueeze(0).contiguous(), group=group)
         return out
 
     @staticmethod
@@ -26,6 +26,9 @@ class _AllGatherStack(torch.autograd.Function):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
         return grad[dist.get_rank(ctx.group)], None
+
+
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name torch 2.13 prefers
 
 
 def all_gather_stack(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
