@@ -24,6 +24,7 @@ from .collators import SPDataCollator
 from .distributed import cpu_backend, teardown
 from .loss import check_loss_options, sp_eval_loss
 from .memory import enable_memory_features, hidden_from_base_trainer, loss_only_inputs
+from .mixers.documents import keep_documents_apart
 from .parallel import SequenceParallel, apply_sequence_parallel, compile_decoder_layers
 from .throughput import add_throughput_callback
 from .topology import release_groups
@@ -43,7 +44,8 @@ def pad_token_id(model: nn.Module, processing_class: Any) -> int:
 
 
 class SequenceParallelMixin:
-    """Sequence parallelism for a ``transformers.Trainer`` subclass; a no-op when ``args.sp_size == 1``.
+    """Sequence parallelism for a ``transformers.Trainer`` subclass; a no-op when ``args.sp_size == 1`` (except that a
+    hybrid model's linear / SSM / conv layers keep packed documents apart, as they do under SP).
 
     Subclasses override ``sp_default_collator`` (the collator used when none is given) and ``sp_after_init`` (what the
     base trainer's own construction needs adjusting for SP); everything else is shared.
@@ -77,6 +79,8 @@ class SequenceParallelMixin:
                 compile_decoder_layers(self.model, self.args.torch_compile_backend, self.args.torch_compile_mode)
             if self.args.sp_throughput_logging:
                 add_throughput_callback(self)  # after DefaultFlowCallback: report_to integrations see the figures
+        else:  # hybrid models keep packed documents apart at sp_size 1 too: the same training at every sp_size
+            keep_documents_apart(unwrap_model(self.model))
         enable_memory_features(self.model, self.args, lm_loss_fused=self.sp_fuses_lm_loss)
 
     # -- hooks for subclasses -------------------------------------------------------------------------------------
@@ -204,9 +208,10 @@ class SequenceParallelMixin:
 class SPTrainer(SequenceParallelMixin, transformers.Trainer):
     """``transformers.Trainer`` with sequence parallelism over ``args.sp_size`` ranks (Ulysses x Ring).
 
-    With ``sp_size == 1`` it is exactly ``Trainer``. With ``sp_size > 1`` the model's attention runs through the SP
-    backend, examples are packed with ``position_ids`` (``SPDataCollator``) unless a collator is given, each SP group
-    consumes one batch per micro-step, and loss, gradients and ``eval_loss`` equal the single-process ones.
+    With ``sp_size == 1`` it is ``Trainer`` (hybrid models' packed documents kept apart, as under SP). With
+    ``sp_size > 1`` the model's attention runs through the SP backend, examples are packed with ``position_ids``
+    (``SPDataCollator``) unless a collator is given, each SP group consumes one batch per micro-step, and loss,
+    gradients and ``eval_loss`` equal the single-process ones.
     """
 
 

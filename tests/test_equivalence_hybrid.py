@@ -76,3 +76,42 @@ def test_sp_matches_single_process(case, sp_results, tmp_path):
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
     assert got["global_step"] == ref["global_step"] == case.steps
     assert_within(case.name, diffs, TOL)
+
+
+def _sp1_run(family: str, collator, sp_trainer: bool, out_dir: str) -> dict:
+    import transformers
+
+    from hf_sp_trainer import SPTrainer, TrainingArguments
+    from tests.harness import quiet_args, synthetic_dataset
+
+    model = tiny_model(family)
+    common = quiet_args(out_dir, 3) | dict(
+        per_device_train_batch_size=3, optim="sgd", learning_rate=5e-2, remove_unused_columns=False
+    )
+    train = synthetic_dataset(9, seed=1)
+    if sp_trainer:
+        trainer = SPTrainer(model=model, args=TrainingArguments(**common), train_dataset=train, data_collator=collator)
+    else:
+        args = transformers.TrainingArguments(**common)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=train, data_collator=collator)
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return {"losses": losses, "params": torch.cat([p.detach().flatten() for p in model.parameters()])}
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+def test_sp_size_1_keeps_packed_documents_apart(family, tmp_path):
+    """SPTrainer(sp_size=1) on position_ids-packed rows trains like plain Trainer on one document per row; plain
+    Trainer on the same packed rows does not (transformers' hybrid layers leak across documents)."""
+    from transformers import DataCollatorWithFlattening
+
+    from tests.harness import pad_rows
+
+    packed = DataCollatorWithFlattening(return_position_ids=True)
+    ours = _sp1_run(family, packed, True, str(tmp_path / "ours"))
+    ref = _sp1_run(family, pad_rows, False, str(tmp_path / "ref"))
+    leaky = _sp1_run(family, packed, False, str(tmp_path / "leaky"))
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    assert max(abs(a / b - 1) for a, b in zip(ours["losses"], ref["losses"], strict=True)) <= TOL
+    assert rel(ours["params"], ref["params"]) <= TOL
+    assert rel(leaky["params"], ref["params"]) > 10 * rel(ours["params"], ref["params"])

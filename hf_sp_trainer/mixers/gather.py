@@ -31,8 +31,8 @@ class _AllGatherStack(torch.autograd.Function):
 _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name torch 2.13 prefers
 
 
-def all_gather_stack(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def all_gather_stack(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``[P, *x.shape]``: ``x`` of every rank of ``group`` in rank order, with the exact gradient back to each rank."""
-    if dist.get_world_size(group) == 1:
+    if group is None or dist.get_world_size(group) == 1:  # None: sp_size 1 without a process group
         return x.unsqueeze(0)
     return _AllGatherStack.apply(x, group)

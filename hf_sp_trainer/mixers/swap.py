@@ -29,11 +29,17 @@ from .runs import shard_runs
 
 @dataclass
 class MixerContext:
-    topology: SPTopology
+    """Where this process's tokens sit: its SP topology, or ``None`` at sp_size 1 (the whole sequence, no group)."""
+
+    topology: SPTopology | None
     sharding: SequenceSharding
 
+    @property
+    def group(self):
+        return None if self.topology is None else self.topology.sp_group
+
     def runs(self, bounds: torch.Tensor, rows: int):
-        return shard_runs(bounds, rows, self.sharding, self.topology.sp_rank)
+        return shard_runs(bounds, rows, self.sharding, 0 if self.topology is None else self.topology.sp_rank)
 
 
 _CONTEXT: list[MixerContext] = []  # the SP of the last model attached (one per process, like the attention)
@@ -47,7 +53,7 @@ def _conv_entry(original: Callable) -> Callable:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
         ctx = _CONTEXT[-1]
         runs = ctx.runs(bounds, hidden_states.shape[0])
-        return sp_causal_conv1d(hidden_states, weight, bias, activation, runs, ctx.topology.sp_group)
+        return sp_causal_conv1d(hidden_states, weight, bias, activation, runs, ctx.group)
 
     return causal_conv1d_fn
 
@@ -64,7 +70,7 @@ def _gdn_entry(original: Callable) -> Callable:
             k: kwargs[k] for k in ("initial_state", "output_final_state", "use_qk_l2norm_in_kernel") if k in kwargs
         }
         core = functools.partial(original, chunk_size=chunk_size)
-        return sp_chunk_gated_delta_rule(core, query, key, value, g, beta, runs, ctx.topology.sp_group, **options)
+        return sp_chunk_gated_delta_rule(core, query, key, value, g, beta, runs, ctx.group, **options)
 
     return torch_chunk_gated_delta_rule
 
@@ -86,9 +92,13 @@ ENTRIES: dict[str, Callable[[Callable], Callable]] = {
 assert set(ENTRIES) == set(SP_KERNELS), "detect.SP_KERNELS must name exactly the swapped kernels"
 
 
-def attach_mixers(model: torch.nn.Module, topology: SPTopology, sharding: SequenceSharding) -> list[str]:
-    """Swap the SP kernels into ``model``'s modeling modules (idempotent) and make this SP the active one; returns
-    ``module.function`` for every swapped function."""
+def attach_mixers(
+    model: torch.nn.Module, topology: SPTopology | None, sharding: SequenceSharding | None = None
+) -> list[str]:
+    """Swap the SP kernels into ``model``'s modeling modules (idempotent) and make this SP the active one
+    (``topology=None``: sp_size 1, documents kept apart within the process); returns ``module.function`` for every
+    swapped function."""
+    sharding = sharding or SequenceSharding(1)
     swapped = []
     for module_name in sorted({type(m).__module__ for m in model.modules()}):
         module = sys.modules.get(module_name)
