@@ -2,8 +2,9 @@
 
 Generation runs without SP (the model's own attention, full sequences; the SP group's first rank broadcasts its
 completions so every rank of the group holds the same ones). Scoring prompt+completion (policy, old policy, reference)
-runs sequence-parallel through the preference hooks (exact per-token log-probs / entropies on every SP rank). TRL's
-gathers, advantage slicing and normalisers see a data-parallel view of the accelerator (one copy per SP group).
+runs sequence-parallel through the preference hooks (exact per-token log-probs / entropies, and an MoE policy's router
+aux loss, on every SP rank). TRL's gathers, advantage slicing and normalisers see a data-parallel view of the
+accelerator (one copy per SP group).
 """
 
 from __future__ import annotations
@@ -156,8 +157,10 @@ class OnlineRLSPMixin(PreferenceSPMixin):
         for hooks in self._sp_hooks:
             hooks.passthrough = True
         self.sp.attention.detach(policy)
+        router_loss = self.sp.router_loss  # MoE: generation's (discarded) aux loss is transformers', no collectives
         try:
-            yield
+            with router_loss.suspend() if router_loss is not None else contextlib.nullcontext():
+                yield
         finally:
             self.sp.attention.attach(policy)
             for hooks in self._sp_hooks:

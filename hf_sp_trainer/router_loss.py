@@ -22,10 +22,11 @@ excludes padding.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -71,6 +72,7 @@ class RouterLoss:
     group: dist.ProcessGroup
     handles: list = field(default_factory=list)
     last: tuple[torch.Tensor, torch.Tensor] | None = None  # (share, value) of the running / last forward
+    suspended: bool = False  # forwards run transformers' own function (e.g. GRPO's generation, not sharded)
 
     def share(
         self, gate_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int, attention_mask: torch.Tensor | None
@@ -90,6 +92,15 @@ class RouterLoss:
         last, self.last = self.last, None
         return last
 
+    @contextlib.contextmanager
+    def suspend(self) -> Iterator[None]:
+        """Forwards inside compute transformers' own (unsharded) loss, without collectives."""
+        self.suspended = True
+        try:
+            yield
+        finally:
+            self.suspended = False
+
     def attach(self, model: nn.Module) -> None:
         """Swap the load-balancing function of ``model``'s modules and be the active one during its forwards."""
         importlib.import_module(TRL_FUSED_HEAD_MODULE)  # swapped before TRL's fused head first imports it
@@ -107,7 +118,8 @@ class RouterLoss:
 
     def _enter(self) -> None:
         self.last = None
-        _ACTIVE.append(self)
+        if not self.suspended:
+            _ACTIVE.append(self)
 
     def _leave(self) -> None:
         if _ACTIVE and _ACTIVE[-1] is self:

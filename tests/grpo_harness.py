@@ -33,6 +33,7 @@ SKIPPED_EVAL = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_secon
 class RLCase:
     name: str
     trainer: str = "grpo"  # grpo | rloo
+    family: str = "llama"  # tests.harness.tiny_model's (mixtral: the MoE router aux loss on)
     sp_size: int = 2
     world_size: int = 2
     prompts_per_step: int = 2  # per optimizer step, over all data-parallel ranks
@@ -138,7 +139,7 @@ def train_rl_case(case: RLCase, sp: bool, out_dir: str) -> dict:
         common |= dict(sp_size=case.sp_size) | backend_args(case.backend) | case.sp_config
     if dist.is_initialized():
         common |= dict(ddp_backend="gloo")
-    model = tiny_model("llama")
+    model = tiny_model(case.family)
     if case.ref:
         model = save_policy(model, os.path.join(out_dir, "policy"))
         common["model_init_kwargs"] = {"dtype": torch.float32, "attn_implementation": "sdpa"}
@@ -200,6 +201,7 @@ def count_shards(model) -> dict[str, int]:
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
 GREEDY = {"generation_kwargs": {"do_sample": False}, "gradient_accumulation_steps": 2}
+SGD = {"optim": "sgd", "learning_rate": 0.05}
 WORLD2 = [
     RLCase("grpo_sp2_dapo_eval", evaluate=True),
     RLCase("grpo_sp2_grpo_ref_iters2", ref=True, config={"loss_type": "grpo", "num_iterations": 2}),
@@ -243,6 +245,15 @@ WORLD2 = [
     ),
     RLCase("rloo_sp2_ring_bf16", trainer="rloo", config={"bf16": True}, sp_config={"sp_ring_size": 2}, tol=3e-2),
     RLCase("grpo_sp2_zero1", backend="zero1"),
+    # the MoE router aux loss (tiny Mixtral, coefficient 0.5) with SGD, whose step is the gradient as it is
+    RLCase(
+        "grpo_sp2_mixtral_router_loss_ref_ga2_eval",
+        family="mixtral",
+        ref=True,
+        evaluate=True,
+        config={**SGD, "gradient_accumulation_steps": 2},
+    ),
+    RLCase("rloo_sp2_mixtral_router_loss_lora", trainer="rloo", family="mixtral", lora=True, config=SGD),
 ]
 WORLD4 = [
     RLCase("grpo_dp2sp2", world_size=4, prompts_per_step=4, config={"loss_type": "grpo"}),

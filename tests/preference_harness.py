@@ -28,6 +28,7 @@ SKIPPED_EVAL_KEYS = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_
 class PrefCase:
     name: str
     trainer: str = "dpo"  # dpo | reward | kto
+    family: str = "llama"  # tests.harness.tiny_model's (mixtral: the MoE router aux loss on)
     sp_size: int = 2
     world_size: int = 2
     batch_size: int = 2  # per SP group and micro-step (pairs for DPO / reward, examples for KTO)
@@ -109,12 +110,12 @@ def build_model(case: PrefCase, out_dir: str, sp: bool):
     if case.trainer == "reward":
         import transformers
 
-        config = tiny_model("llama").config
+        config = tiny_model(case.family).config
         config.num_labels = 1
         torch.manual_seed(0)
         model = transformers.AutoModelForSequenceClassification.from_config(config, attn_implementation="sdpa")
         return model.float(), None, tokenizer
-    model = tiny_model("llama")
+    model = tiny_model(case.family)
     if case.ref == "path":
         path = os.path.join(out_dir, "policy")
         # Every rank writes its own copy: model.save_pretrained writes on rank 0 only once torch.distributed is up
@@ -124,7 +125,7 @@ def build_model(case: PrefCase, out_dir: str, sp: bool):
         model.config.save_pretrained(path)
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(path, "model.safetensors"))
         return path, None, tokenizer
-    return model, (None if case.lora else tiny_model("llama")), tokenizer
+    return model, (None if case.lora else tiny_model(case.family)), tokenizer
 
 
 def train_pref_case(case: PrefCase, sp: bool, out_dir: str, ddp: bool = False) -> dict:
@@ -244,6 +245,7 @@ def metric_diffs(ref: dict, got: dict, beta: float = 0.1) -> dict[str, float]:
 # ----------------------------------------------------------------------------------------------------------------
 # the cases: one spawned process group per world size for DPO, reward and KTO together (tests/test_{dpo,reward,kto})
 # ----------------------------------------------------------------------------------------------------------------
+SGD = {"optim": "sgd", "learning_rate": 0.05}
 LONG_PROMPT = dict(prompt_words=(9, 14), answer_words=(1, 3), batch_size=1)  # a completion starts on another shard
 WORLD2 = [
     PrefCase("dpo_ref_model_ga2", grad_accum=2, **LONG_PROMPT),
@@ -256,6 +258,9 @@ WORLD2 = [
     PrefCase("kto_lora_ga2", trainer="kto", batch_size=3, lora=True, grad_accum=2),
     PrefCase("dpo_zero3_ref_model", sp_config=backend_args("zero3")),
     PrefCase("kto_fsdp2", trainer="kto", batch_size=3, sp_config=backend_args("fsdp2")),
+    # the MoE router aux loss (tiny Mixtral, coefficient 0.5; policy only) with SGD: the gradient as it is
+    PrefCase("dpo_mixtral_router_loss_ga2", family="mixtral", grad_accum=2, config=SGD),
+    PrefCase("kto_mixtral_router_loss", trainer="kto", family="mixtral", batch_size=3, config=SGD),
 ]
 WORLD4 = [
     PrefCase("dpo_dp2sp2", world_size=4),

@@ -8,7 +8,9 @@ the shard (its attention is SP's), and a post-hook scatters the shard's per-toke
 batch's output grid and sums it over the SP group (``sequence_all_reduce``, differentiable). Every rank then holds
 exactly the outputs of the unsharded forward, so every sequence-level term TRL builds from them (summed log-probs,
 length-normalised and ``ld_alpha`` variants, WPO weights, rewards, KL estimates, metrics) is exact. The reduced tensors
-are O(tokens) scalars, gathered with one collective per forward; logits are never gathered.
+are O(tokens) scalars, gathered with one collective per forward; logits are never gathered. An MoE policy's
+load-balancing loss comes back as the whole batch's value (``router_loss.py``), with the gradient convention of the
+reduced log-probs (``LogProbHooks.aux_loss``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from ..parallel import SequenceParallel
+from ..router_loss import RouterLoss
 from .layout import PackedShard, last_token_slots, pack_and_shard, real_token_mask, scatter_to_grid, token_slots
 from .reduce import sequence_all_reduce
 
@@ -27,14 +30,15 @@ _BOOL_FIELDS = ("is_top1", "label_mask")
 _PASSED_THROUGH = ("input_ids", "attention_mask", "labels", "use_cache", "fused_lm_head", "num_items_in_batch")
 
 
-def _split_kwargs(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The kwargs besides the token tensors; refuses positional inputs and other per-token tensors."""
+def _split_kwargs(model: nn.Module, args: tuple, kwargs: dict[str, Any], router_logits: bool = False) -> dict[str, Any]:
+    """The kwargs besides the token tensors; refuses positional inputs, other per-token tensors and (unless
+    ``router_logits``) ``output_router_logits``."""
     if args:
         raise ValueError(f"Under sequence parallelism, call {type(model).__name__} with keyword arguments only.")
     seq = kwargs["input_ids"].shape[1]
     others = {k: v for k, v in kwargs.items() if k not in _PASSED_THROUGH}
     per_token = [k for k, v in others.items() if torch.is_tensor(v) and v.ndim >= 2 and v.shape[1] == seq]
-    if per_token or others.get("output_router_logits"):
+    if per_token or (others.get("output_router_logits") and not router_logits):
         raise ValueError(
             f"Sequence parallelism does not shard {per_token or ['output_router_logits']} in preference training "
             "(vision inputs, token types, MoE router logits). Use text-only dense models, or sp_size=1."
@@ -50,6 +54,7 @@ class _Hooks:
         self.pad_token_id = pad_token_id
         self.pending: PackedShard | None = None
         self.handles: list[Any] = []
+        self.router_loss: RouterLoss | None = None  # the policy's (set by the trainer): its aux loss is returned
 
     def attach(self, model: nn.Module) -> None:
         self.handles += [
@@ -97,7 +102,7 @@ class LogProbHooks(_Hooks):
                 "fused log-probability forward (fused_lm_head=True); a plain forward (logits, generation, "
                 "compute_metrics) is not supported. Set sp_size=1 for it."
             )
-        others = _split_kwargs(module, args, kwargs)
+        others = _split_kwargs(module, args, kwargs, router_logits=True)
         rows, seq = kwargs["input_ids"].shape
         slots = token_slots(rows, seq, kwargs["input_ids"].device)
         self.pending = self.shard(kwargs, slots, (rows, seq - 1), labels=kwargs["labels"])
@@ -105,6 +110,7 @@ class LogProbHooks(_Hooks):
 
     def after(self, module, args, kwargs, output):
         packed = self.take_pending()
+        aux = self.aux_loss(output)
         names = [n for n in _LOGPROB_FIELDS if getattr(output, n, None) is not None]
         dtype = output.log_probs.dtype
         local = torch.stack([getattr(output, n)[0].to(dtype) for n in names], dim=-1)  # [local_len, fields]
@@ -112,7 +118,24 @@ class LogProbHooks(_Hooks):
         fields = {n: full[..., i] > 0.5 if n in _BOOL_FIELDS else full[..., i] for i, n in enumerate(names)}
         count = fields["label_mask"].sum() if "label_mask" in fields else packed.grid[0]
         loss = -fields["log_probs"].sum() / (count.clamp(min=1) if torch.is_tensor(count) else count)
-        return type(output)(loss=loss, **fields)
+        return type(output)(loss=loss, **fields, **({} if aux is None else {"aux_loss": aux}))
+
+    def aux_loss(self, output) -> torch.Tensor | None:
+        """The policy's MoE load-balancing loss of the whole batch (the same on every SP rank), or ``None`` where
+        the forward computed none or it is another model's (the reference's: TRL discards it).
+
+        Every rank builds TRL's loss ``L`` from the same whole-batch terms; the group's objective is their sum
+        ``sp x L`` and the data-parallel backends average gradients over the group. The reduced log-probs take that
+        sum's gradient (``reduce.py``: ``sp x dL/dy`` on each rank's own tokens); so does this term: ``value``, with
+        the gradient of ``sp x`` this rank's share (the shares sum to ``value``), averages to ``d value``.
+        """
+        recorded = self.router_loss.take() if self.router_loss is not None else None
+        if getattr(output, "aux_loss", None) is None or self.router_loss is None:
+            return None
+        if recorded is None:
+            raise RuntimeError("The model computed an MoE router loss that sequence parallelism did not record.")
+        share, value = recorded
+        return value + self.sp.topology.sp_size * (share - share.detach())
 
 
 class RewardHooks(_Hooks):

@@ -55,17 +55,22 @@ class PreferenceSPMixin(SequenceParallelMixin):
             "Use the logged reward / logp metrics, or evaluate with sp_size=1.",
         )
         refuse(
-            {
-                "vision datasets": getattr(self, "_is_vision_dataset", False),
-                "MoE router aux loss": getattr(self, "aux_loss_enabled", False),
-            },
-            "only text tokens are sharded, and a load-balancing loss over a shard is not the sequence's",
-            "Use a text-only dataset and router_aux_loss_coef=0.0, or sp_size=1.",
+            {"vision datasets": getattr(self, "_is_vision_dataset", False)},
+            "only text tokens are sharded",
+            "Use a text-only dataset, or sp_size=1.",
         )
 
     def _sp_attach_hooks(self) -> None:
         """Hooks on the policy (also the reference when LoRA adapters are disabled) and an SP reference model."""
-        self._sp_hooks.append(self._sp_hook(unwrap_model(self.model)))
+        if getattr(self, "aux_loss_enabled", False) and self.sp.router_loss is None:
+            raise ValueError(
+                f"Sequence parallelism (sp_size > 1) makes the MoE router aux loss exact through the model's "
+                f"load_balancing_loss_func; {type(unwrap_model(self.model)).__name__} has none. Set "
+                "router_aux_loss_coef=0.0, or sp_size=1."
+            )
+        policy = self._sp_hook(unwrap_model(self.model))
+        policy.router_loss = self.sp.router_loss  # the policy's aux loss, exact; the reference's is discarded
+        self._sp_hooks.append(policy)
         ref = getattr(self, "ref_model", None)
         if ref is not None:
             ref = unwrap_model(self.accelerator.unwrap_model(ref))
