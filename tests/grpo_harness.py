@@ -254,6 +254,7 @@ WORLD2 = [
         config={**SGD, "gradient_accumulation_steps": 2},
     ),
     RLCase("rloo_sp2_mixtral_router_loss_lora", trainer="rloo", family="mixtral", lora=True, config=SGD),
+    RLCase("grpo_sp2_qwen3_5_gdn", family="qwen3_5", config=SGD),  # a hybrid model (Gated DeltaNet + attention)
 ]
 WORLD4 = [
     RLCase("grpo_dp2sp2", world_size=4, prompts_per_step=4, config={"loss_type": "grpo"}),

@@ -261,6 +261,8 @@ WORLD2 = [
     # the MoE router aux loss (tiny Mixtral, coefficient 0.5; policy only) with SGD: the gradient as it is
     PrefCase("dpo_mixtral_router_loss_ga2", family="mixtral", grad_accum=2, config=SGD),
     PrefCase("kto_mixtral_router_loss", trainer="kto", family="mixtral", batch_size=3, config=SGD),
+    # a hybrid model (Gated DeltaNet + attention): TRL pads each sequence in its own row, each document alone
+    PrefCase("dpo_qwen3_5_gdn", family="qwen3_5", config=SGD),
 ]
 WORLD4 = [
     PrefCase("dpo_dp2sp2", world_size=4),

@@ -85,3 +85,14 @@ def test_hook_sits_where_the_attention_kwargs_flow() -> None:
     """OPTForCausalLM calls ``model.decoder`` directly: the pre-hook must be on the decoder, not on ``model``."""
     assert type(_decoder(build_model("opt", "OPTForCausalLM"))).__name__ == "OPTDecoder"
     assert type(_decoder(build_model("llama", "LlamaForCausalLM"))).__name__ == "LlamaModel"
+
+
+def test_hub_kernels_are_refused_on_hybrid_models() -> None:
+    """use_kernels=True may swap whole GDN layers for a fused hub kernel that bypasses the exact SP mixers."""
+    from hf_sp_trainer.mixers.swap import check_mixer_kernels
+
+    model = build_model("qwen3_5_text", "Qwen3_5ForCausalLM")
+    check_mixer_kernels(model)
+    model._use_kernels = True
+    with pytest.raises(ValueError, match="use_kernels=True"):
+        check_mixer_kernels(model)

@@ -128,6 +128,18 @@ def check_sinks(model: torch.nn.Module) -> None:
             )
 
 
+def check_no_per_token_kwargs(module, local_len: int, kwargs: dict) -> None:
+    """Refuse a tensor kwarg laid out over this rank's tokens (a score bias such as inkling's ``position_bias``
+    ``[b, h, q, kv]``): SP can't shard what it doesn't know, and dropping it would be silently wrong. Raised on every
+    rank at the same layer, so nothing hangs."""
+    for name, value in kwargs.items():
+        if torch.is_tensor(value) and value.ndim >= 2 and local_len in value.shape[1:] and name != "position_ids":
+            raise ValueError(
+                f"{type(module).__name__} passes {name} of shape {tuple(value.shape)} to its attention: a per-token "
+                "tensor sequence parallelism can't shard. Use sp_size=1 for this model."
+            )
+
+
 def _sinks(module, kwargs: dict, heads: int) -> torch.Tensor | None:
     """The module's per-head sinks (``s_aux`` or ``module.sinks``), checked against its ``heads`` query heads."""
     sinks = kwargs.get("s_aux")
@@ -156,6 +168,7 @@ class UlyssesAttention:
             raise RuntimeError("SP attention was called outside a forward of the model it was attached to.")
         topo = self.topology
         group = topo.ulysses_group
+        check_no_per_token_kwargs(module, query.shape[2], kwargs)
         if key.shape[-1] != query.shape[-1] or value.shape[:3] != key.shape[:3]:
             raise ValueError(
                 f"SP attention got q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}: k needs q's "

@@ -22,7 +22,7 @@ from ..attention.ulysses import BOUNDS_KWARG
 from ..sharding import SequenceSharding
 from ..topology import SPTopology
 from .causal_conv import sp_causal_conv1d
-from .detect import DECODE_ONLY_KERNELS, SP_KERNELS
+from .detect import DECODE_ONLY_KERNELS, SP_KERNELS, covered_mixers
 from .gated_deltanet import sp_chunk_gated_delta_rule
 from .runs import shard_runs
 
@@ -119,7 +119,14 @@ def attach_mixers(
 
 
 def check_mixer_kernels(model: torch.nn.Module) -> None:
-    """The checks of ``attach_mixers`` alone, with no side effect: a ``ValueError`` before any collective."""
+    """The checks of ``attach_mixers`` alone, with no side effect: a ``ValueError`` before any collective. A model
+    kernelized from the hub (``use_kernels=True``) may run whole hybrid layers in one fused kernel that bypasses
+    the swapped functions: refused."""
+    if getattr(model, "_use_kernels", False) and covered_mixers(model):
+        raise ValueError(
+            f"{type(model).__name__} was loaded with use_kernels=True: hub kernels may replace its hybrid layers "
+            "whole, bypassing sequence parallelism's exact conv and state passing. Load it without use_kernels."
+        )
     for module_name in sorted({type(m).__module__ for m in model.modules()}):
         module = sys.modules.get(module_name)
         if module is None or not module_name.startswith("transformers.models."):
