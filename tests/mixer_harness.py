@@ -7,6 +7,7 @@ import datetime
 
 import torch
 import torch.distributed as dist
+from transformers.models.kimi_linear import modeling_kimi_linear as kimi_linear
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
 
 from hf_sp_trainer.attention.ring import document_bounds
@@ -18,6 +19,7 @@ from hf_sp_trainer.topology import release_groups, sp_topology
 
 CONV = getattr(qwen3_5.causal_conv1d_fn, "_hf_sp_original", qwen3_5.causal_conv1d_fn)
 GDN = getattr(qwen3_5.torch_chunk_gated_delta_rule, "_hf_sp_original", qwen3_5.torch_chunk_gated_delta_rule)
+KDA = getattr(kimi_linear.chunk_kimi_delta_attention, "_hf_sp_original", kimi_linear.chunk_kimi_delta_attention)
 
 
 def segments(docs: list[int]) -> list[tuple[int, int]]:
@@ -59,23 +61,28 @@ def check_gdn(
     heads: int = 4,
     k_heads: int = 2,
     carry_state: bool = True,
+    kda: bool = False,
 ) -> dict[str, float]:
     """Max relative difference (over ranks) of the output and of every input's gradient, SP vs document by
-    document, for the gated delta rule (grouped value heads, weak decay unless ``decay`` says otherwise)."""
+    document, for the gated delta rule (grouped value heads, weak decay unless ``decay`` says otherwise); ``kda``:
+    Kimi's delta attention instead (a decay per key channel, one head count, one head size)."""
     topo, index, runs, total = _setup(rows, ring_size)
     gen = torch.Generator().manual_seed(0)
     b = len(rows)
+    core = KDA if kda else GDN
+    k_heads = heads if kda else k_heads
     q, k = (torch.randn(b, total, k_heads, 8, generator=gen) for _ in range(2))
-    v = torch.randn(b, total, heads, 6, generator=gen)
-    g, beta = -decay * torch.rand(b, total, heads, generator=gen), torch.rand(b, total, heads, generator=gen)
+    v = torch.randn(b, total, heads, 8 if kda else 6, generator=gen)
+    g = -decay * torch.rand(b, total, heads, *((8,) if kda else ()), generator=gen)
+    beta = torch.rand(b, total, heads, generator=gen)
     inputs = [t.requires_grad_() for t in (q, k, v, g, beta)]
     probe = torch.randn(v.shape, generator=gen)
     opts = dict(chunk_size=chunk, use_qk_l2norm_in_kernel=True)
-    ref = _per_document(lambda *t: GDN(*t, **opts)[0], rows, 1, *inputs)
+    ref = _per_document(lambda *t: core(*t, **opts)[0], rows, 1, *inputs)
     (ref * probe).sum().backward()
     local = [t.detach()[:, index].clone().requires_grad_() for t in inputs]
     out, _ = sp_chunk_gated_delta_rule(
-        lambda *a, **kw: GDN(*a, chunk_size=chunk, **kw), *local, runs, topo.sp_group, carry_state=carry_state,
+        lambda *a, **kw: core(*a, chunk_size=chunk, **kw), *local, runs, topo.sp_group, carry_state=carry_state,
         use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
     (out * probe[:, index]).sum().backward()

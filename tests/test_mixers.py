@@ -1,9 +1,9 @@
-"""The hybrid mixers' SP kernels (``hf_sp_trainer.mixers``: conv halo, Gated DeltaNet state passing) against
-transformers' own kernels run on each document alone, over the layouts where a cross-rank bug would show: a document
-starting inside a shard, exactly at a shard start, 1-2 tokens before it (inside the conv halo), one document over
-every shard, 1-token documents, shards shorter than the conv width, runs not aligned to the kernel's chunks, two rows
-with different documents; Ulysses (sp 2, 3, 4) and zigzag rings. Negative controls: state passing off and the halo
-off must fail the same comparison."""
+"""The hybrid mixers' SP kernels (``hf_sp_trainer.mixers``: conv halo, Gated DeltaNet and Kimi delta attention state
+passing) against transformers' own kernels run on each document alone, over the layouts where a cross-rank bug would
+show: a document starting inside a shard, exactly at a shard start, 1-2 tokens before it (inside the conv halo), one
+document over every shard, 1-token documents, shards shorter than the conv width, runs not aligned to the kernel's
+chunks, two rows with different documents; Ulysses (sp 2, 3, 4) and zigzag rings. Negative controls: state passing
+off and the halo off must fail the same comparison."""
 
 from __future__ import annotations
 
@@ -44,7 +44,10 @@ GDN_EXTRA = {  # world size -> name -> kwargs of check_gdn
         "chunk8_misaligned": dict(rows=[[13, 9, 18]], chunk=8),
         "strong_decay": dict(rows=[[13, 9, 18]], decay=5.0),
         "equal_heads": dict(rows=[[13, 9, 18]], heads=2, k_heads=2),
+        "kda_start_inside": dict(rows=[[13, 9, 18]], kda=True),
+        "kda_ring2_two_rows": dict(rows=[[13, 9, 18], [40]], ring_size=2, kda=True),
     },
+    4: {"kda_ring2x2_one_document": dict(rows=[[40]], ring_size=2, kda=True)},
 }
 CONTROLS = {  # must differ by far more than TOL: a dropped state or halo is caught
     "no_state_passing": ("gdn", dict(rows=[[40]], carry_state=False)),

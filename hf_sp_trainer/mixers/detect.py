@@ -20,18 +20,18 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 # Class names of non-attention sequence mixers (state spaces, linear attention, recurrences, short convolutions).
 MIXER_CLASS = re.compile(
-    r"Mamba|SSM|Rglru|RGLRU|Recurrent|Lightning|LinearAttention|DeltaNet|Rwkv|RWKV|LSTM|ShortConv|Retention|Hyena"
+    r"Mamba|SSM|Rglru|RGLRU|Recurrent|Lightning|LinearAttention|Delta|Rwkv|RWKV|LSTM|ShortConv|Retention|Hyena"
 )
 # Layer types (config.layer_types and the like) naming a non-attention sequence mixer.
 MIXER_TYPE = re.compile(r"linear|conv|mamba|ssm|recurren|rglru|delta|rwkv|lstm|retention", re.IGNORECASE)
 LAYER_TYPE_FIELDS = ("layer_types", "layers_block_type", "block_types", "layers_type")
 # transformers' module-level kernels that hf_sp_trainer.mixers.swap replaces with exact SP versions: a mixer whose
 # forward mixes the sequence only through these runs exactly under SP.
-SP_KERNELS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
+SP_KERNELS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention")
 # Kernels of cached decoding only (unreachable under SP, which runs without a cache; swapped to raise if reached).
-DECODE_ONLY_KERNELS = ("causal_conv1d_update", "torch_recurrent_gated_delta_rule")
+DECODE_ONLY_KERNELS = ("causal_conv1d_update", "torch_recurrent_gated_delta_rule", "recurrent_kimi_delta_attention")
 # Names of functions that mix the sequence (a mixer calling one not in SP_KERNELS is not covered).
-MIXING_FUNCTION = re.compile(r"conv|delta_rule|scan|selective|recurren|lightning|ssd|wkv|lstm|mamba|rglru", re.I)
+MIXING_FUNCTION = re.compile(r"conv|delta|scan|selective|recurren|lightning|ssd|wkv|lstm|mamba|rglru", re.I)
 HYBRID_ADVICE = (
     "Use sp_size=1 for this model (sequence parallelism for hybrid models with such layers is planned: "
     "hf_sp_trainer.mixers)."

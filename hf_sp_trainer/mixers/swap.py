@@ -88,6 +88,7 @@ def _decode_only_entry(original: Callable) -> Callable:
 ENTRIES: dict[str, Callable[[Callable], Callable]] = {
     "causal_conv1d_fn": _conv_entry,
     "torch_chunk_gated_delta_rule": _gdn_entry,
+    "chunk_kimi_delta_attention": _gdn_entry,  # KDA: the delta rule with a per-channel decay, the same SP algorithm
 }
 assert set(ENTRIES) == set(SP_KERNELS), "detect.SP_KERNELS must name exactly the swapped kernels"
 
@@ -161,12 +162,13 @@ def _conv_ok(fn: Callable) -> bool:
 
 
 @functools.cache
-def _gdn_ok(fn: Callable) -> bool:
-    """Affine in the initial state, column by column: what the SP delta rule's ``[v | 0]`` / ``[0 | I]`` call uses."""
+def _gdn_ok(fn: Callable, channel_decay: bool = False) -> bool:
+    """Affine in the initial state, column by column: what the SP delta rule's ``[v | 0]`` / ``[0 | I]`` call uses
+    (``channel_decay``: KDA's decay per key channel, ``g [b, s, heads, k]``)."""
     gen = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 1, 5, 2, 4, generator=gen)
     v, zeros = torch.randn(1, 5, 2, 3, generator=gen), torch.zeros(1, 5, 2, 3)
-    g, beta = -torch.rand(1, 5, 2, generator=gen), torch.rand(1, 5, 2, generator=gen)
+    g, beta = -torch.rand(1, 5, 2, *((4,) if channel_decay else ()), generator=gen), torch.rand(1, 5, 2, generator=gen)
     s0 = torch.randn(1, 2, 4, 3, generator=gen)
     run = functools.partial(fn, chunk_size=2, output_final_state=True, use_qk_l2norm_in_kernel=True)
     out, final = run(q, k, v, g, beta, initial_state=s0)
@@ -175,4 +177,8 @@ def _gdn_ok(fn: Callable) -> bool:
     return torch.allclose(out, out_v + out_s, atol=1e-5) and torch.allclose(final, final_v + final_s, atol=1e-5)
 
 
-_CHECKS: dict[str, Callable[[Callable], bool]] = {"causal_conv1d_fn": _conv_ok, "torch_chunk_gated_delta_rule": _gdn_ok}
+_CHECKS: dict[str, Callable[[Callable], bool]] = {
+    "causal_conv1d_fn": _conv_ok,
+    "torch_chunk_gated_delta_rule": _gdn_ok,
+    "chunk_kimi_delta_attention": functools.partial(_gdn_ok, channel_decay=True),
+}
