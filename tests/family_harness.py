@@ -81,6 +81,8 @@ SHRINK = {
     "linear_num_value_heads": 4,
     "linear_key_head_dim": 16,
     "linear_value_head_dim": 16,
+    "linear_num_heads": 4,
+    "linear_head_dim": 8,
     "kda_lower_bound": -0.2,  # KDA's "safe gate" decay lies in (lower bound, 0): weak, as `weak_decay` makes the others
 }
 
