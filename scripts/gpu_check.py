@@ -10,6 +10,9 @@ b_fused_loss: Liger's fused linear cross-entropy (if installed) and the chunked 
 c_offload: a small Llama step with gradient checkpointing, ``HostOffload`` on vs off: bitwise equality, peak memory.
 d_long_context: one step (sp 1, bf16, AdamW, tiled MLP + fused loss + sequence-aware checkpointing) of a
 Llama-3.1-8B-shaped model with 2 and 4 layers at 64K-256K tokens; the 32-layer extrapolation (its model is in the JSON).
+e_hybrid: the hybrid layers' kernels (GDN, KDA, causal conv; FLA / causal-conv1d when installed) split the way SP
+splits a document (state summaries, conv halo) vs unsplit, and vs the CPU torch kernels; fp32, TF32, bf16
+(``_gpu_hybrid.py``).
 
 Each check runs in its own process (default on CUDA), killed at the global budget: a crash, hang or broken CUDA
 context is recorded and the next check still runs; one that doesn't fit the time left is skipped with a note. The
@@ -36,10 +39,17 @@ from typing import Any
 
 import torch
 from _gpu_attention import sink_mla_checks
+from _gpu_hybrid import hybrid_checks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # hf_sp_trainer from a checkout
 
-MIN_SECONDS = {"a_kernels": 20, "b_fused_loss": 20, "c_offload": 20, "d_long_context": 60}  # don't start with less
+MIN_SECONDS = {
+    "a_kernels": 20,
+    "b_fused_loss": 20,
+    "c_offload": 20,
+    "d_long_context": 60,
+    "e_hybrid": 20,
+}  # don't start with less
 TOL = {torch.float32: 2e-4, torch.bfloat16: 3e-2}  # on max_rel
 NEEDS_HALF, NO_FLASH = "needs CUDA and fp16/bf16", "flash-attn not installed"
 
@@ -382,7 +392,8 @@ def extrapolate(ctx: Ctx, runs: list[dict]) -> dict:
 def run_check(name: str, ctx: Ctx, lengths: list[int]) -> dict:
     start = time.time()
     checks = {"a_kernels": check_kernels, "b_fused_loss": check_fused_loss, "c_offload": check_offload,
-              "d_long_context": lambda c: check_long_context(c, lengths)}  # fmt: skip
+              "d_long_context": lambda c: check_long_context(c, lengths),
+              "e_hybrid": lambda c: hybrid_checks(c.device, c.dry)}  # fmt: skip
     try:
         rec = {"status": "ok", "result": checks[name](ctx)}
     except Exception as exc:  # noqa: BLE001 - one failing check must not stop the others

@@ -1,0 +1,103 @@
+"""GPU check of the hybrid layers' kernels as SP uses them (``hf_sp_trainer.mixers``), for ``gpu_check.py``.
+
+SP splits a document over runs and relies on two kernel facts: the chunked delta rule (GDN, KDA) is affine in its
+initial state column by column (one call on values ``[v | 0]`` from ``[0 | I]`` gives a run's output, final state and
+transition ``M``), with the gradient reaching the initial state; and the causal conv equals itself on a run with
+the ``W - 1`` inputs before it prepended. Each case splits one document at ``split``, runs the SP algorithm on the
+device's kernels (flash-linear-attention / causal-conv1d when installed: transformers' hub wrappers pick them),
+and compares output, final state and input gradients with the unsplit call on the same device; the unsplit call is
+also compared with the CPU fp32 torch kernel. fp32 with TF32 off and on, bf16.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30))
+
+
+def _delta_rule_case(core, kda: bool, device, dtype, sizes) -> dict[str, float]:
+    total, split, heads, k_dim, v_dim = sizes
+    gen = torch.Generator().manual_seed(0)
+    k_heads = heads if kda else max(1, heads // 2)
+    q, k = (torch.randn(1, total, k_heads, k_dim, generator=gen) for _ in range(2))
+    v = torch.randn(1, total, heads, v_dim, generator=gen)
+    g = -0.05 * torch.rand(1, total, heads, *((k_dim,) if kda else ()), generator=gen)
+    beta = torch.rand(1, total, heads, generator=gen)
+    probe = torch.randn(v.shape, generator=gen)
+    opts = dict(use_qk_l2norm_in_kernel=True)
+
+    def run(dev, dt):
+        inputs = [t.to(dev, dt).requires_grad_() for t in (q, k, v, g, beta)]
+        return inputs
+
+    cpu = run("cpu", torch.float32)
+    ref_cpu, _ = core(*cpu, output_final_state=True, **opts)
+    full_in = run(device, dtype)
+    full, final = core(*full_in, output_final_state=True, **opts)
+    (full.float() * probe.to(device)).sum().backward()
+    parts = run(device, dtype)
+    first = [t[:, :split] for t in parts]
+    rest = [t[:, split:] for t in parts]
+    out1, state = core(*first, output_final_state=True, **opts)
+    widened = torch.cat([rest[2], rest[2].new_zeros(*rest[2].shape[:-1], k_dim)], -1)
+    eye = torch.eye(k_dim, device=device)
+    init = torch.cat([eye.new_zeros(k_dim, v_dim), eye], -1).expand(1, heads, k_dim, -1).contiguous()
+    out2, summary = core(
+        rest[0], rest[1], widened, rest[3], rest[4], initial_state=init, output_final_state=True, **opts
+    )
+    correction, _ = core(rest[0], rest[1], torch.zeros_like(rest[2]), rest[3], rest[4], initial_state=state, **opts)
+    got = torch.cat([out1, out2[..., :v_dim] + correction], 1)
+    got_final = summary[..., v_dim:] @ state.float() + summary[..., :v_dim]
+    (got.float() * probe.to(device)).sum().backward()
+    result = {"vs_cpu_fp32": _rel(full, ref_cpu), "split_out": _rel(got, full), "split_final": _rel(got_final, final)}
+    for name, a, b in zip(("q", "k", "v", "g", "beta"), parts, full_in, strict=True):
+        result[f"split_d{name}"] = _rel(a.grad, b.grad)
+    return result
+
+
+def _conv_case(conv, device, dtype, sizes) -> dict[str, float]:
+    total, split, channels = sizes[0], sizes[1], sizes[2] * sizes[4]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, channels, total, generator=gen)
+    w, b = torch.randn(channels, 4, generator=gen), torch.randn(channels, generator=gen)
+    dev = [t.to(device, dtype) for t in (x, w, b)]
+    full = conv(dev[0], dev[1], dev[2], activation="silu")
+    halo = conv(dev[0][:, :, split - 3 :], dev[1], dev[2], activation="silu")[:, :, 3:]
+    ref_cpu = conv(x, w, b, activation="silu")
+    return {"vs_cpu_fp32": _rel(full, ref_cpu), "split_out": _rel(halo, full[:, :, split:])}
+
+
+def hybrid_checks(device: torch.device, dry: bool) -> dict[str, Any]:
+    """Every case: ``{name: max_rel figures}`` (or the error), with which kernels transformers picked."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
+    original = lambda f: getattr(f, "_hf_sp_original", f)  # noqa: E731 - transformers' own, not SP's swap
+    sizes = (40, 23, 2, 8, 6) if dry else (4096, 2500, 8, 128, 128)  # tokens, split, heads, k dim, v dim
+    out: dict[str, Any] = {
+        "fla": importlib.util.find_spec("fla") is not None,
+        "causal_conv1d": importlib.util.find_spec("causal_conv1d") is not None,
+        "sizes_tokens_split_heads_k_v": sizes,
+    }
+    modes = [("fp32", torch.float32, False), ("fp32_tf32", torch.float32, True), ("bf16", torch.bfloat16, False)]
+    for label, dtype, tf32 in modes if device.type == "cuda" else modes[:1]:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        cases = {
+            "gdn": (_delta_rule_case, original(qwen.torch_chunk_gated_delta_rule), False),
+            "kda": (_delta_rule_case, original(kimi.chunk_kimi_delta_attention), True),
+            "conv": (_conv_case, original(qwen.causal_conv1d_fn)),
+        }
+        for name, (case, *args) in cases.items():
+            try:
+                out[f"{name}_{label}"] = case(*args, device, dtype, sizes)
+            except Exception as exc:  # noqa: BLE001 - one failing kernel must not hide the others
+                out[f"{name}_{label}"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return out
