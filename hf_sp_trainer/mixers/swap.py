@@ -144,20 +144,23 @@ def attach_mixers(model: torch.nn.Module, topology: SPTopology, sharding: Sequen
 
 
 def check_mixer_kernels(model: torch.nn.Module) -> None:
-    """The checks of ``attach_mixers`` alone, with no side effect: a ``ValueError`` before any collective."""
-    if getattr(model, "use_kernels", False):
-        raise ValueError(
-            f"{type(model).__name__} was loaded with use_kernels=True: hub kernels replace the layers' functions "
-            "hf_sp_trainer swaps for their sequence-parallel versions. Load it with use_kernels=False for sp_size > 1."
-        )
+    """The checks of ``attach_mixers`` alone, with no side effect: a ``ValueError`` before any collective. A model
+    with such kernels loaded with ``use_kernels=True`` is refused: hub kernels would replace what SP swaps."""
     for module_name in sorted({type(m).__module__ for m in model.modules()}):
         module = sys.modules.get(module_name)
         if module is None or not module_name.startswith("transformers.models."):
             continue
         for name in ENTRIES:
             fn = getattr(module, name, None)
-            if fn is not None:
-                check_kernel(module_name, name, getattr(fn, "_hf_sp_original", fn))
+            if fn is None:
+                continue
+            if getattr(model, "use_kernels", False):
+                raise ValueError(
+                    f"{type(model).__name__} was loaded with use_kernels=True: hub kernels replace its layers' "
+                    f"functions ({module_name}.{name}, ...) that hf_sp_trainer swaps for their sequence-parallel "
+                    "versions. Load it with use_kernels=False for sp_size > 1."
+                )
+            check_kernel(module_name, name, getattr(fn, "_hf_sp_original", fn))
 
 
 def release_mixers() -> None:
