@@ -7,12 +7,14 @@ import datetime
 
 import torch
 import torch.distributed as dist
+from transformers.models.bamba import modeling_bamba as bamba
 from transformers.models.kimi_linear import modeling_kimi_linear as kimi_linear
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
 
 from hf_sp_trainer.attention.ring import document_bounds
 from hf_sp_trainer.mixers.causal_conv import sp_causal_conv1d
 from hf_sp_trainer.mixers.gated_deltanet import sp_chunk_gated_delta_rule
+from hf_sp_trainer.mixers.mamba2 import sp_mamba2_chunk_scan
 from hf_sp_trainer.mixers.runs import shard_runs
 from hf_sp_trainer.sharding import SequenceSharding
 from hf_sp_trainer.topology import release_groups, sp_topology
@@ -20,6 +22,7 @@ from hf_sp_trainer.topology import release_groups, sp_topology
 CONV = getattr(qwen3_5.causal_conv1d_fn, "_hf_sp_original", qwen3_5.causal_conv1d_fn)
 GDN = getattr(qwen3_5.torch_chunk_gated_delta_rule, "_hf_sp_original", qwen3_5.torch_chunk_gated_delta_rule)
 KDA = getattr(kimi_linear.chunk_kimi_delta_attention, "_hf_sp_original", kimi_linear.chunk_kimi_delta_attention)
+SCAN = getattr(bamba.mamba2_chunk_scan, "_hf_sp_original", bamba.mamba2_chunk_scan)
 
 
 def segments(docs: list[int]) -> list[tuple[int, int]]:
@@ -112,6 +115,85 @@ def check_conv(rows: list[list[int]], ring_size: int = 1, *, width: int = 4, hal
     return _max_over_ranks(result)
 
 
+MAMBA2_NAMES = ("x", "dt", "A", "B", "C", "D", "dt_bias")
+
+
+def mamba2_inputs(total: int, heads: int = 4, head_dim: int = 3, groups: int = 2, state: int = 5, seed: int = 0):
+    """Random scan inputs with weak decay: ``softplus(dt + dt_bias)`` about 0.03 to 0.5, ``A`` in [-0.3, -0.1]."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, total, heads, head_dim, generator=gen)
+    dt = torch.randn(1, total, heads, generator=gen)
+    A = -0.1 - 0.2 * torch.rand(heads, generator=gen)
+    B = torch.randn(1, total, groups, state, generator=gen)
+    C = torch.randn(1, total, groups, state, generator=gen)
+    D = torch.randn(heads, generator=gen)
+    dt_bias = -2.0 + 0.1 * torch.randn(heads, generator=gen)
+    return [t.requires_grad_() for t in (x, dt, A, B, C, D, dt_bias)]
+
+
+def check_mamba2(
+    docs: list[int],
+    ring_size: int,
+    chunk: int = 8,
+    state_passing: bool = True,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+) -> dict[str, float]:
+    """Max relative difference of the scan's output and of every input's gradient, SP vs document by document
+    (transformers' ``mamba2_chunk_scan``, softplus on, ``dt_limit`` as given)."""
+    topo = sp_topology(dist.get_world_size(), ring_size)
+    sharding = SequenceSharding(topo.sp_size, ring_size)
+    total = sum(docs)
+    inputs = mamba2_inputs(total)
+    x, dt, A, B, C, D, dt_bias = inputs
+    opts = dict(chunk_size=chunk, dt_softplus=True, dt_limit=dt_limit)
+    weight = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    ref = torch.cat(
+        [SCAN(x[:, s:e], dt[:, s:e], A, B[:, s:e], C[:, s:e], D=D, dt_bias=dt_bias, **opts) for s, e in segments(docs)],
+        1,
+    )
+    (ref * weight).sum().backward()
+    ref_grads = [t.grad.clone() for t in inputs]
+    index = sharding.positions(total, topo.sp_rank)
+    seq = [t.detach()[:, index].clone().requires_grad_() for t in (x, dt, B, C)]
+    params = [t.detach().clone().requires_grad_() for t in (A, D, dt_bias)]
+    bounds = document_bounds([segments(docs)], total)
+    runs = shard_runs(bounds, 1, sharding, topo.sp_rank)
+    scan = SCAN if state_passing else _no_initial_state(SCAN)
+    xl, dtl, Bl, Cl = seq
+    Al, Dl, biasl = params
+    out = sp_mamba2_chunk_scan(
+        lambda *a, **kw: scan(*a, chunk_size=chunk, **kw),
+        xl,
+        dtl,
+        Al,
+        Bl,
+        Cl,
+        runs,
+        topo.sp_group,
+        D=Dl,
+        dt_bias=biasl,
+        dt_softplus=True,
+        dt_limit=dt_limit,
+    )
+    (out * weight[:, index]).sum().backward()
+    for t in params:  # parameter gradients are partial per rank: summed like SP's gradient reduction
+        dist.all_reduce(t.grad)
+    result = {"out": _rel(out.detach(), ref.detach()[:, index])}
+    grads = [xl.grad, dtl.grad, Al.grad, Bl.grad, Cl.grad, Dl.grad, biasl.grad]
+    for name, got, want in zip(MAMBA2_NAMES, grads, ref_grads, strict=True):
+        result[name] = _rel(got, want if name in ("A", "D", "dt_bias") else want[:, index])
+    return _max_over_ranks(result)
+
+
+def _no_initial_state(scan):
+    def without(*args, initial_states=None, **kwargs):  # negative control: every run starts from zero
+        if initial_states is not None:
+            initial_states = torch.zeros_like(initial_states)
+        return scan(*args, initial_states=initial_states, **kwargs)
+
+    return without
+
+
 def _max_over_ranks(result: dict[str, float]) -> dict[str, float]:
     values = torch.tensor(list(result.values()), dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
@@ -120,7 +202,7 @@ def _max_over_ranks(result: dict[str, float]) -> dict[str, float]:
 
 
 def run_checks(cases: list[tuple[str, str, dict]]) -> dict[str, dict[str, float]]:
-    """In a spawned group: ``(name, "gdn" | "conv", kwargs)`` cases in turn -> each case's differences."""
+    """In a spawned group: ``(name, "gdn" | "conv" | "mamba2", kwargs)`` cases in turn -> each case's differences."""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    checks = {"gdn": check_gdn, "conv": check_conv}
+    checks = {"gdn": check_gdn, "conv": check_conv, "mamba2": check_mamba2}
     return {name: checks[kind](**kwargs) for name, kind, kwargs in cases}

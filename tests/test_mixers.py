@@ -1,9 +1,9 @@
-"""The hybrid mixers' SP kernels (``hf_sp_trainer.mixers``: conv halo, Gated DeltaNet and Kimi delta attention state
-passing) against transformers' own kernels run on each document alone, over the layouts where a cross-rank bug would
-show: a document starting inside a shard, exactly at a shard start, 1-2 tokens before it (inside the conv halo), one
-document over every shard, 1-token documents, shards shorter than the conv width, runs not aligned to the kernel's
-chunks, two rows with different documents; Ulysses (sp 2, 3, 4) and zigzag rings. Negative controls: state passing
-off and the halo off must fail the same comparison."""
+"""The hybrid mixers' SP kernels (``hf_sp_trainer.mixers``: conv halo, state passing for Gated DeltaNet, Kimi
+delta attention and Mamba2) against transformers' own kernels run on each document alone, over the layouts where a
+cross-rank bug would show: a document starting inside a shard, exactly at a shard start, 1-2 tokens before it
+(inside the conv halo), one document over every shard, 1-token documents, shards shorter than the conv width, runs
+not aligned to the kernel's chunks, two rows with different documents; Ulysses (sp 2, 3, 4) and zigzag rings.
+Negative controls: state passing off and the halo off must fail the same comparison."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from tests.harness import run_distributed, unwrap_results
 from tests.mixer_harness import run_checks
+from tests.test_mixers_mamba2 import mamba2_cases
 
 TOL = 1e-5
 LAYOUTS = {  # world size -> name -> (rows, ring size)
@@ -63,6 +64,8 @@ def _cases(world: int) -> list[tuple[str, str, dict]]:
     cases += [(f"gdn_{name}", "gdn", kwargs) for name, kwargs in GDN_EXTRA.get(world, {}).items()]
     if world == 2:
         cases += [(f"control_{name}", kind, kwargs) for name, (kind, kwargs) in CONTROLS.items()]
+    for ring in (1, 2) if world == 4 else (1,):
+        cases += mamba2_cases(world, ring)
     return cases
 
 
@@ -84,6 +87,9 @@ def test_sp_kernel_matches_each_document_alone(name: str, results: dict) -> None
     assert worst <= TOL, f"{name}: {results[name]}"
 
 
-@pytest.mark.parametrize("name", list(CONTROLS))
+CONTROL_NAMES = [name for world in LAYOUTS for name, _, _ in _cases(world) if name.startswith("control_")]
+
+
+@pytest.mark.parametrize("name", CONTROL_NAMES)
 def test_negative_controls_fail(name: str, results: dict) -> None:
-    assert results[f"control_{name}"]["out"] > 1e-3, results[f"control_{name}"]
+    assert max(results[name].values()) > 1e-2, results[name]

@@ -13,7 +13,10 @@ from tests.family_harness import build_model
 
 REFUSED = {  # model type, class: what the error must name
     "zaya": ("ZayaForCausalLM", ["Conv1d", "a convolution over the sequence"]),
-    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", ["GraniteMoeHybridMambaLayer"]),
+    "jamba": ("JambaForCausalLM", ["JambaMambaMixer", "mamba_selective_scan", "no exact version"]),  # Mamba1
+    "mamba": ("MambaForCausalLM", ["MambaMixer", "mamba_selective_scan", "no exact version"]),
+    "falcon_mamba": ("FalconMambaForCausalLM", ["FalconMambaMixer", "mamba_selective_scan"]),
+    "zamba": ("ZambaForCausalLM", ["ZambaMambaMixer", "mamba_selective_scan"]),
     "minimax": ("MiniMaxForCausalLM", ["MiniMaxLightningAttention"]),
     "recurrent_gemma": ("RecurrentGemmaForCausalLM", ["RecurrentGemmaRecurrentBlock"]),
     "doge": ("DogeForCausalLM", ["DogeAttention", "computes its own mask"]),
@@ -47,6 +50,11 @@ COVERED = {  # hybrid models whose mixers SP runs exactly (hf_sp_trainer.mixers.
     "lfm2": ("Lfm2ForCausalLM", "Lfm2ShortConv"),
     "qwen3_5_text": ("Qwen3_5ForCausalLM", "Qwen3_5GatedDeltaNet"),
     "olmo_hybrid": ("OlmoHybridForCausalLM", "OlmoHybridGatedDeltaNet"),
+    "bamba": ("BambaForCausalLM", "BambaMixer"),  # Mamba2
+    "nemotron_h": ("NemotronHForCausalLM", "NemotronHMamba2Mixer"),
+    "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridMambaLayer"),
+    "falcon_h1": ("FalconH1ForCausalLM", "FalconH1Mixer"),
+    "zamba2": ("Zamba2ForCausalLM", "Zamba2MambaMixer"),
 }
 
 
@@ -87,12 +95,31 @@ def test_hook_sits_where_the_attention_kwargs_flow() -> None:
     assert type(_decoder(build_model("llama", "LlamaForCausalLM"))).__name__ == "LlamaModel"
 
 
-def test_hub_kernels_are_refused_on_hybrid_models() -> None:
-    """use_kernels=True may swap whole GDN layers for a fused hub kernel that bypasses the exact SP mixers."""
+def test_use_kernels_refused() -> None:
+    """Hub kernels (``use_kernels=True``) would replace the functions SP swaps: refused before any collective."""
     from hf_sp_trainer.mixers.swap import check_mixer_kernels
 
-    model = build_model("qwen3_5_text", "Qwen3_5ForCausalLM")
-    check_mixer_kernels(model)
+    model = build_model("bamba", "BambaForCausalLM")
     model._use_kernels = True
     with pytest.raises(ValueError, match="use_kernels=True"):
         check_mixer_kernels(model)
+
+
+def test_pure_mamba2_refused_clearly() -> None:
+    """Mamba2ForCausalLM's mixers are covered, but it has no attention heads to split sp_size over: a ValueError."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    config = Mamba2Config(
+        vocab_size=128,
+        hidden_size=32,
+        num_heads=4,
+        head_dim=16,
+        expand=2,
+        state_size=8,
+        n_groups=1,
+        num_hidden_layers=2,
+    )
+    model = Mamba2ForCausalLM(config)
+    assert {type(model.get_submodule(c)).__name__ for c in covered_mixers(model)} == {"Mamba2Mixer"}
+    with pytest.raises(ValueError, match="no attention heads"):
+        validate_model_for_sp(model, 2)

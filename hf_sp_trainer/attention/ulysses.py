@@ -90,6 +90,12 @@ def validate_model_for_sp(
             "`_supports_attention_backend = True` (Llama, Qwen2/3, Mistral, Gemma, Phi3, ...) or sp_size=1."
         )
     check_sequence_mixers(model, sp_size)
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(text, "num_attention_heads", None) is None:  # a pure state-space model (Mamba2ForCausalLM)
+        raise ValueError(
+            f"{name} has no attention heads: hf_sp_trainer splits sp_size over them (sp_size={sp_size}); SP for models "
+            "without attention is not supported yet. Use sp_size=1 for this model."
+        )
     heads, kv_heads = head_counts(model.config)
     if heads % kv_heads:
         raise ValueError(f"{name} has {heads} query heads, not a multiple of its {kv_heads} key/value heads.")

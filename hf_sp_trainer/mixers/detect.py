@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import inspect
 import re
+import sys
 import textwrap
 from functools import cache
 
@@ -21,15 +22,28 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 # Class names of non-attention sequence mixers (state spaces, linear attention, recurrences, short convolutions).
 MIXER_CLASS = re.compile(
     r"Mamba|SSM|Rglru|RGLRU|Recurrent|Lightning|LinearAttention|Delta|Rwkv|RWKV|LSTM|ShortConv|Retention|Hyena"
+    r"|Mixer$"  # BambaMixer, FalconH1Mixer, ... (Mamba mixers named after their family)
 )
 # Layer types (config.layer_types and the like) naming a non-attention sequence mixer.
 MIXER_TYPE = re.compile(r"linear|conv|mamba|ssm|recurren|rglru|delta|rwkv|lstm|retention", re.IGNORECASE)
 LAYER_TYPE_FIELDS = ("layer_types", "layers_block_type", "block_types", "layers_type")
 # transformers' module-level kernels that hf_sp_trainer.mixers.swap replaces with exact SP versions: a mixer whose
-# forward mixes the sequence only through these runs exactly under SP.
-SP_KERNELS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention")
+# forward mixes the sequence only through these runs exactly under SP (Mamba2's fused whole-layer path is switched
+# off under SP: the layer falls back to its unfused path through the others).
+SP_KERNELS = (
+    "causal_conv1d_fn",
+    "torch_chunk_gated_delta_rule",
+    "mamba2_chunk_scan",
+    "mamba2_split_conv1d_scan_combined",
+    "chunk_kimi_delta_attention",
+)
 # Kernels of cached decoding only (unreachable under SP, which runs without a cache; swapped to raise if reached).
-DECODE_ONLY_KERNELS = ("causal_conv1d_update", "torch_recurrent_gated_delta_rule", "recurrent_kimi_delta_attention")
+DECODE_ONLY_KERNELS = (
+    "causal_conv1d_update",
+    "torch_recurrent_gated_delta_rule",
+    "mamba2_selective_state_update",
+    "recurrent_kimi_delta_attention",
+)
 # Names of functions that mix the sequence (a mixer calling one not in SP_KERNELS is not covered).
 MIXING_FUNCTION = re.compile(r"conv|delta|scan|selective|recurren|lightning|ssd|wkv|lstm|mamba|rglru", re.I)
 HYBRID_ADVICE = (
@@ -48,8 +62,8 @@ def sequence_mixers(model: torch.nn.Module) -> list[tuple[str, str, str]]:
             continue  # a mixer SP runs exactly, a part of it, or a layer holding it (checked on its own)
         if isinstance(module, _ConvNd):
             found.append((name, cls, "a convolution over the sequence"))
-        elif _is_mixer_class(model, type(module)) and not _is_inside(name, found):
-            found.append((name, cls, "a state-space / linear-attention / recurrent layer"))
+        elif _is_mixer_class(model, type(module)) and not _is_inside(name, found) and not _holds(model, module):
+            found.append((name, cls, "a state-space / linear-attention / recurrent layer" + _unsupported(type(module))))
         elif getattr(module, "is_causal", True) is False and _calls_attention(type(module)):
             found.append((name, cls, "a bidirectional (is_causal=False) attention (SP attention is causal)"))
         elif _calls_attention(type(module)) and _builds_own_mask(type(module)):
@@ -60,7 +74,7 @@ def sequence_mixers(model: torch.nn.Module) -> list[tuple[str, str, str]]:
     if getattr(text, "sliding_window", None):  # a window SP must be told: by a kwarg or the module's attribute
         for name, module in model.named_modules():
             if _calls_attention(type(module)) and getattr(module, "sliding_window", None) is None:
-                if "sliding_window" not in inspect.getsource(type(module)):  # Qwen2-MoE sets it on sliding layers
+                if "sliding_window" not in inspect.getsource(type(module)) and _may_slide(type(module)):
                     what = "an attention whose sliding window lives only in the mask SP drops"
                     found.append((name, type(module).__name__, what))
     layers = [name for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
@@ -109,6 +123,35 @@ def covered_mixers(model: torch.nn.Module) -> set[str]:
         ):
             covered.add(name)
     return covered
+
+
+def _holds(model: torch.nn.Module, module: torch.nn.Module) -> bool:
+    """A decoder layer named like a mixer (``JambaMambaDecoderLayer``) that mixes nothing itself but holds a mixer:
+    the mixer is the one to name."""
+    if not isinstance(module, GradientCheckpointingLayer) or any(
+        MIXING_FUNCTION.search(c) for c in _global_calls(type(module))
+    ):
+        return False
+    return any(_is_mixer_class(model, type(m)) for m in list(module.modules())[1:])
+
+
+@cache
+def _may_slide(cls: type) -> bool:
+    """The modeling module of ``cls`` can apply a sliding window at all (Qwen2-MoE sets it on sliding layers; one
+    that never mentions it, such as Nemotron-H, ignores a ``config.sliding_window``: the causal mask doesn't read
+    it)."""
+    module = sys.modules.get(cls.__module__)
+    try:
+        return module is None or "sliding" in inspect.getsource(module)
+    except (OSError, TypeError):
+        return True
+
+
+def _unsupported(cls: type) -> str:
+    """`` mixing through f, g`` for the sequence-mixing functions of ``cls.forward`` that SP has no exact version of
+    (Mamba1's selective scan, ...), else empty."""
+    calls = {c for c in _global_calls(cls) if MIXING_FUNCTION.search(c)} - set(SP_KERNELS) - set(DECODE_ONLY_KERNELS)
+    return f" mixing through {', '.join(sorted(calls))}, which SP has no exact version of" if calls else ""
 
 
 @cache

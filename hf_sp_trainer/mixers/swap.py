@@ -24,6 +24,7 @@ from ..topology import SPTopology
 from .causal_conv import sp_causal_conv1d
 from .detect import DECODE_ONLY_KERNELS, SP_KERNELS, covered_mixers
 from .gated_deltanet import sp_chunk_gated_delta_rule
+from .mamba2 import run_decay, sp_mamba2_chunk_scan, step_sizes
 from .runs import shard_runs
 
 
@@ -75,6 +76,38 @@ def _gdn_entry(original: Callable) -> Callable:
     return torch_chunk_gated_delta_rule
 
 
+def _mamba2_entry(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, **kwargs):
+        bounds = kwargs.pop(BOUNDS_KWARG, None)
+        if bounds is None or not _CONTEXT:
+            return original(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, **kwargs)
+        if kwargs.get("initial_states") is not None or kwargs.get("return_final_states", False):
+            raise ValueError("Mamba2 under sequence parallelism runs without a cache (use_cache=False).")
+        ctx = _CONTEXT[-1]
+        runs = ctx.runs(bounds, hidden_states.shape[0])
+        options = {k: kwargs[k] for k in ("dt_softplus", "dt_limit") if k in kwargs}
+        scan = functools.partial(original, chunk_size=chunk_size)
+        return sp_mamba2_chunk_scan(
+            scan, hidden_states, dt, A, B, C, runs, ctx.topology.sp_group, D=D, dt_bias=dt_bias, **options
+        )
+
+    return mamba2_chunk_scan
+
+
+def _unfused_entry(original: Callable) -> Callable:
+    """The fused whole-layer Mamba2 path (``mamba_ssm``'s ``mamba_split_conv1d_scan_combined``) returns ``None``
+    under SP, as its torch fallback always does: the layer then runs its unfused path through the swapped kernels."""
+
+    @functools.wraps(original)
+    def mamba2_split_conv1d_scan_combined(*args, **kwargs):
+        if kwargs.get(BOUNDS_KWARG) is not None:
+            return None
+        return original(*args, **kwargs)
+
+    return mamba2_split_conv1d_scan_combined
+
+
 def _decode_only_entry(original: Callable) -> Callable:
     @functools.wraps(original)
     def decode_kernel(*args, **kwargs):
@@ -89,6 +122,8 @@ ENTRIES: dict[str, Callable[[Callable], Callable]] = {
     "causal_conv1d_fn": _conv_entry,
     "torch_chunk_gated_delta_rule": _gdn_entry,
     "chunk_kimi_delta_attention": _gdn_entry,  # KDA: the delta rule with a per-channel decay, the same SP algorithm
+    "mamba2_chunk_scan": _mamba2_entry,
+    "mamba2_split_conv1d_scan_combined": _unfused_entry,
 }
 assert set(ENTRIES) == set(SP_KERNELS), "detect.SP_KERNELS must name exactly the swapped kernels"
 
@@ -177,8 +212,33 @@ def _gdn_ok(fn: Callable, channel_decay: bool = False) -> bool:
     return torch.allclose(out, out_v + out_s, atol=1e-5) and torch.allclose(final, final_v + final_s, atol=1e-5)
 
 
+@functools.cache
+def _mamba2_ok(fn: Callable) -> bool:
+    """Affine in the initial state with the per-head decay ``exp(A sum dt)`` of ``step_sizes`` (``dt_bias``,
+    softplus, the clamp: a limit that bites), and a split with the state handed over equal to the whole scan."""
+    gen = torch.Generator().manual_seed(0)
+    x, zeros = torch.randn(1, 7, 4, 3, generator=gen), torch.zeros(1, 7, 4, 3)
+    dt, A = torch.randn(1, 7, 4, generator=gen), -torch.rand(4, generator=gen) - 0.5
+    B, C = torch.randn(2, 1, 7, 2, 5, generator=gen)
+    D, bias, s0 = torch.randn(4, generator=gen), torch.randn(4, generator=gen), torch.randn(1, 4, 3, 5, generator=gen)
+    opts = dict(chunk_size=3, dt_bias=bias, dt_softplus=True, dt_limit=(0.2, 1.5), return_final_states=True)
+    out, final = fn(x, dt, A, B, C, D=D, initial_states=s0, **opts)
+    out_x, final_x = fn(x, dt, A, B, C, D=D, initial_states=None, **opts)
+    out_s, _ = fn(zeros, dt, A, B, C, D=None, initial_states=s0, **opts)
+    decay = run_decay(A, step_sizes(dt, bias, True, (0.2, 1.5))[0])[:, None, None]
+    head, tail = fn(x[:, :4], dt[:, :4], A, B[:, :4], C[:, :4], D=D, initial_states=s0, **opts)
+    rest, end = fn(x[:, 4:], dt[:, 4:], A, B[:, 4:], C[:, 4:], D=D, initial_states=tail, **opts)
+    return (
+        torch.allclose(out, out_x + out_s, atol=1e-5)
+        and torch.allclose(final, final_x + decay * s0, atol=1e-5)
+        and torch.allclose(torch.cat([head, rest], 1), out, atol=1e-5)
+        and torch.allclose(end, final, atol=1e-5)
+    )
+
+
 _CHECKS: dict[str, Callable[[Callable], bool]] = {
     "causal_conv1d_fn": _conv_ok,
     "torch_chunk_gated_delta_rule": _gdn_ok,
+    "mamba2_chunk_scan": _mamba2_ok,
     "chunk_kimi_delta_attention": functools.partial(_gdn_ok, channel_decay=True),
 }
