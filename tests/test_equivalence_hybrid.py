@@ -30,7 +30,9 @@ WORLD2 = [
     Case("zero3_qwen3_5_gdn", family="qwen3_5", backend="zero3", **SGD),
     Case("lfm2_short_conv_sgd_ga2", family="lfm2", grad_accum=2, **SGD),
     Case("ring2_lfm2_short_conv", family="lfm2", sp_overrides=RING2, **SGD),
-    SFTCase("sft_qwen3_5_gdn", family="qwen3_5", data="prompt_completion"),
+    SFTCase(
+        "sft_qwen3_5_gdn", family="qwen3_5", data="prompt_completion", config=dict(optim="sgd", learning_rate=0.05)
+    ),
     SFTCase("sft_lora_lfm2", family="lfm2", lora=True),
 ]
 WORLD4 = [
