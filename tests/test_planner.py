@@ -276,3 +276,13 @@ def test_hybrid_layers_cost_more_than_attention():
     fixed = 2 * estimate(m, s2, 8192).saved_activations - estimate(m, s2, 16384).saved_activations
     summary = 3 * 4 * 32 * (32 + 32) * 4 + 3 * m.conv_channels * 3 * 2  # (sp + 1) x (state summary + bf16 halo)
     assert fixed == pytest.approx(3 * summary)  # one per GDN layer, independent of the length
+
+
+def test_cli_text_on_a_hybrid_config(tmp_path):
+    path = tmp_path / "qwen35-tiny" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(dict(QWEN35_TINY, model_type="qwen3_5_text")))
+    code, out = _run_cli("--model", str(path), "--gpus", "2", "--gpu-memory-gib", "4", "--device", "cpu", "--dtype",
+                         "fp32", "--table-zero", "0")  # fmt: skip
+    assert code == 0
+    assert "hybrid: 1 attention + 3 Gated DeltaNet (Hk 2, Hv 4, K 32, V 32, conv 4) layers" in out
