@@ -133,10 +133,7 @@ def real_bytes(lengths: list[int], sps: list[int]) -> list[dict]:
     for sp in sps:
         for length in lengths:
             o1, o2 = hl.ours_bytes(hl.QWEN35, sp, act=2), hl.ours_bytes(hl.QWEN35, sp, max_runs=2, act=2)
-            hw, hwz = (
-                hl.headwise_bytes(hl.QWEN35, sp, length, act=2),
-                hl.headwise_bytes(hl.QWEN35, sp, length, 2, 2, z=True),
-            )
+            hw, hwz = (hl.headwise_bytes(hl.QWEN35, sp, length, act=2, z=z) for z in (False, True))
             rows.append({
                 "sp": sp, "length": length, "ours_mb": sum(o1.values()) / MB, "ours_ring_mb": sum(o2.values()) / MB,
                 "ours_summary_mb": o1["summary"] / MB, "ours_halo_kb": o1["halo"] / KB,
@@ -297,6 +294,7 @@ def main() -> None:
     parser.add_argument("--real-lengths", type=int, nargs="+", default=[8192, 32768, 131072, 262144])
     parser.add_argument("--real-sp", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes (tests)")
+    parser.add_argument("--bytes-only", action="store_true", help="only the analytic Qwen3.5 table (hybrid_bytes)")
     parser.add_argument("--out", default="docs/benchmarks/hybrid")
     args = parser.parse_args()
     if args.smoke:
@@ -304,8 +302,12 @@ def main() -> None:
         args.model_length, args.model_docs, args.doc_size = 256, 2, 96
     os.makedirs(args.out, exist_ok=True)
     m = hl.GDNShape(args.v_heads, args.k_heads, args.dim, args.dim)
-    layer = [row for sp in args.sp for row in _spawn(_layer_worker, sp, args)]
     real = real_bytes(args.real_lengths, args.real_sp)
+    if args.bytes_only:
+        bench.write_table(args.out, "hybrid_bytes", real, {"layer": vars(hl.QWEN35), "activations": "bf16"})
+        print(markdown([], real, [], m))
+        return
+    layer = [row for sp in args.sp for row in _spawn(_layer_worker, sp, args)]
     model = []
     if args.model_sp:
         single = single_model(args)
