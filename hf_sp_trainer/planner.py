@@ -19,6 +19,10 @@ per local token whatever the split (Ulysses: ``heads/ulysses`` heads of ``length
 up to ``lcm(kv_heads, ulysses)``; the kernel is memory-efficient (flash / SDPA: no ``s x s`` scores). Memory only:
 no step time. Everything else is one of the constants below.
 
+Hybrid models (``config.layer_types``): Gated DeltaNet layers (``linear_attention``: Qwen3.5, Qwen3-Next) and
+short conv layers (``conv``: LFM2) save what ``planner_mixers.mixer_per_token`` counts instead of the attention
+tensors, plus the length-independent SP summaries of ``mixer_fixed``; their docstrings state what is assumed.
+
 ``device='cpu'`` predicts a ``scripts/bench_memory.py`` CPU run (fp32, process peak RSS), which is how the model is
 checked (``tests/test_planner.py``): the runtime is ``CPU_RUNTIME_MIB``, AdamW runs tensor by tensor, and DDP's
 buckets count as gradients arrive (DDP rebuilds them at the measured second step; untouched pages are not resident).
@@ -29,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from .planner_mixers import mixer_fixed, mixer_per_token
 from .topology import split_sp_size
 
 GIB, MIB = 2**30, 2**20
@@ -43,6 +48,7 @@ CPU_RUNTIME_MIB = 485.0  # RSS of a bench_memory CPU worker before its measured 
 # AdamW states (Python, torch, transformers, the Trainer, gloo): 477-491 MiB in docs/benchmarks/*/memory.json base_mb
 CUDA_OVERHEAD_GIB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation: an assumption, not measured here
 MAX_LENGTH = 1 << 26  # the length search stops here
+MIXER_GRAD = 1  # a hybrid mixer's backward temporaries alive at once with its recomputed tensors (x its saved set)
 
 
 @dataclass(frozen=True)
@@ -59,11 +65,20 @@ class ModelShape:
     vocab: int
     tied: bool
     qkv_bias: bool = False
+    gdn_layers: int = 0  # Gated DeltaNet layers (layer_types "linear_attention")
+    conv_layers: int = 0  # short conv layers (LFM2's "conv")
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    conv_width: int = 4  # GDN's linear_conv_kernel_dim, LFM2's conv_L_cache
+    gated_attention: bool = False  # Qwen3.5 / Qwen3-Next attention: q_proj also yields an output gate; q/k norms
 
     @classmethod
     def from_config(cls, config, name: str = "") -> ModelShape:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads
+        kinds = list(getattr(text, "layer_types", None) or [])
         if not getattr(text, "intermediate_size", None):
             raise ValueError(f"{name or type(text).__name__}: no intermediate_size (only dense decoder-only models).")
         return cls(
@@ -73,6 +88,13 @@ class ModelShape:
             head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads, vocab=text.vocab_size,
             tied=bool(getattr(text, "tie_word_embeddings", False)),
             qkv_bias=bool(getattr(text, "attention_bias", text.model_type == "qwen2")),
+            gdn_layers=kinds.count("linear_attention"), conv_layers=kinds.count("conv"),
+            linear_k_heads=getattr(text, "linear_num_key_heads", 0) or 0,
+            linear_v_heads=getattr(text, "linear_num_value_heads", 0) or 0,
+            linear_k_dim=getattr(text, "linear_key_head_dim", 0) or 0,
+            linear_v_dim=getattr(text, "linear_value_head_dim", 0) or 0,
+            conv_width=getattr(text, "linear_conv_kernel_dim", None) or getattr(text, "conv_L_cache", None) or 4,
+            gated_attention=text.model_type.startswith(("qwen3_5", "qwen3_next")),
         )  # fmt: skip
 
     @property
@@ -80,9 +102,36 @@ class ModelShape:
         return self.heads * self.head_dim
 
     @property
-    def layer_params(self) -> int:
+    def attention_layers(self) -> int:
+        return self.layers - self.gdn_layers - self.conv_layers
+
+    @property
+    def conv_channels(self) -> int:
+        """GDN's conv channels ``2 Hk K + Hv V`` (q, k, v)."""
+        return 2 * self.linear_k_heads * self.linear_k_dim + self.linear_v_heads * self.linear_v_dim
+
+    def _kind_params(self, kind: str) -> int:
         h, q, kv = self.hidden, self.q_dim, self.kv_heads * self.head_dim
-        return 2 * h * q + 2 * h * kv + 3 * h * self.intermediate + 2 * h + (q + 2 * kv) * self.qkv_bias
+        common = 3 * h * self.intermediate + 2 * h
+        if kind == "gdn":  # in_proj_qkv, z, b, a, out_proj, conv, dt_bias, A_log, the gated norm
+            hv, vd = self.linear_v_heads, self.linear_v_dim
+            c = self.conv_channels
+            return common + h * (c + 2 * hv * vd + 2 * hv) + c * self.conv_width + 2 * hv + vd
+        if kind == "conv":  # in_proj (B, C, x), out_proj, the depthwise conv (no bias)
+            return common + 4 * h * h + h * self.conv_width
+        gate = (h * q + 2 * self.head_dim) * self.gated_attention
+        return common + 2 * h * q + 2 * h * kv + (q + 2 * kv) * self.qkv_bias + gate
+
+    @property
+    def layer_params(self) -> int:
+        """The largest layer's parameters (every layer's for a dense model)."""
+        kinds = ["attention"] * (self.attention_layers > 0) + ["gdn"] * (self.gdn_layers > 0)
+        return max(self._kind_params(k) for k in kinds + ["conv"] * (self.conv_layers > 0))
+
+    @property
+    def all_layer_params(self) -> int:
+        return (self.attention_layers * self._kind_params("attention") + self.gdn_layers * self._kind_params("gdn")
+                + self.conv_layers * self._kind_params("conv"))  # fmt: skip
 
     @property
     def head_params(self) -> int:
@@ -90,12 +139,16 @@ class ModelShape:
 
     @property
     def params(self) -> int:
-        return self.layers * self.layer_params + self.head_params * (1 if self.tied else 2) + self.hidden
+        return self.all_layer_params + self.head_params * (1 if self.tied else 2) + self.hidden
 
     def lora_params(self, r: int) -> int:
         """Adapters on every linear layer of every decoder layer (PEFT ``all-linear``: not the LM head)."""
         h, q, kv, i = self.hidden, self.q_dim, self.kv_heads * self.head_dim, self.intermediate
-        return self.layers * r * (2 * (h + q) + 2 * (h + kv) + 3 * (h + i))
+        hv, vd = self.linear_v_heads, self.linear_v_dim
+        gdn = (h + self.conv_channels) + 2 * (h + hv * vd) + 2 * (h + hv)
+        attention = 2 * (h + q) + 2 * (h + kv) + q * self.gated_attention
+        mixers = self.attention_layers * attention + self.gdn_layers * gdn
+        return r * (mixers + self.conv_layers * ((h + 3 * h) + 2 * h) + self.layers * 3 * (h + i))
 
 
 @dataclass(frozen=True)
@@ -156,9 +209,32 @@ class Breakdown:
         return asdict(self) | {"peak_phase": self.peak_phase}
 
 
+def _hybrid_activations(m: ModelShape, s: Setting, ring: int, tokens: int, kind: str) -> dict[str, float]:
+    """``_layer_activations`` for a GDN or conv layer: the mixer in place of the attention tensors. Checkpointing
+    (full or sequence_aware: nothing of a mixer is kept) recomputes it; its backward holds its recomputed tensors
+    and ``MIXER_GRAD`` times as much in gradients."""
+    b = 2 if s.dtype == "bf16" else 4
+    h, i = m.hidden, m.intermediate
+    norms = 2 * h * (8 + b)
+    mixer = mixer_per_token(m, kind, b, s.sp) * tokens + mixer_fixed(m, kind, b, s.sp, ring)
+    mlp = 0 if s.tiled_mlp else MLP_SAVED * i * b
+    full = (norms + mlp) * tokens + mixer
+    checkpoint = h * b * tokens
+    saved = full if s.checkpointing == "none" else checkpoint
+    recompute = 0.0 if s.checkpointing == "none" else full
+    if s.tiled_mlp:
+        tile = math.ceil(tokens / math.ceil(tokens / max(h, 1024))) if tokens else 0
+        mlp_ws = (MLP_SAVED + MLP_GRAD) * i * b * tile
+    else:
+        mlp_ws = MLP_GRAD * i * b * tokens
+    mlp_phase = recompute + mlp_ws + h * b * tokens
+    mixer_phase = (0.0 if s.checkpointing == "none" else norms / 2 * tokens + mixer) + MIXER_GRAD * mixer
+    return {"saved": saved, "checkpoint": checkpoint, "working_set": max(mlp_phase, mixer_phase)}
+
+
 def _layer_activations(m: ModelShape, s: Setting, ulysses: int, ring: int, tokens: int) -> dict[str, float]:
-    """Bytes of one decoder layer for ``tokens`` local tokens: what it saves, what a checkpoint keeps, and what its
-    backward (with recomputation) needs at once."""
+    """Bytes of one attention decoder layer for ``tokens`` local tokens: what it saves, what a checkpoint keeps, and
+    what its backward (with recomputation) needs at once."""
     b = 2 if s.dtype == "bf16" else 4
     h, q, i = m.hidden, m.q_dim, m.intermediate
     kv = math.lcm(m.kv_heads, ulysses) * m.head_dim  # per local token, after replication for the all-to-all
@@ -208,12 +284,15 @@ def estimate(m: ModelShape, s: Setting, length: int) -> Breakdown:
     else:  # multi-tensor AdamW / ZeRO: one fp32 copy of the local optimizer shard (upcast grads or sqrt(v))
         optimizer_step = 4 * trainable / opt_shards
 
-    layer = _layer_activations(m, s, ulysses, ring, tokens)
-    per_layer_saved = layer["saved"]
-    saved = m.layers * per_layer_saved
+    kinds = [(m.attention_layers, _layer_activations(m, s, ulysses, ring, tokens))]
+    kinds += [(n, _hybrid_activations(m, s, ring, tokens, kind)) for n, kind in
+              ((m.gdn_layers, "gdn"), (m.conv_layers, "conv")) if n]  # fmt: skip
+    kinds = [(n, layer) for n, layer in kinds if n]
+    per_layer_saved = max(layer["saved"] for _, layer in kinds)
+    saved = sum(n * layer["saved"] for n, layer in kinds)
     host = 0.0
     if s.offload and not cpu:  # checkpoints live on the host but for the layers being copied
-        host = max(0, m.layers - OFFLOAD_IN_FLIGHT) * layer["checkpoint"]
+        host = max(0, m.layers - OFFLOAD_IN_FLIGHT) * kinds[0][1]["checkpoint"]  # the same for every kind
         saved -= host
     head_grad_full = 0.0 if s.lora else m.head_params * b  # made whole, then (ZeRO-2/3) reduce-scattered
     head_grad = head_grad_full / grad_shards
@@ -224,7 +303,7 @@ def estimate(m: ModelShape, s: Setting, length: int) -> Breakdown:
         logits = tokens * m.vocab * 4
         loss = max(LOGITS_COPIES * logits, logits + head_grad_full) + (tokens * m.vocab * b if b != 4 else 0)
     loss += m.hidden * (8 + b) * tokens  # the final norm's saved tensors, freed before the last layer's backward
-    working_set = layer["working_set"]
+    working_set = max(layer["working_set"] for _, layer in kinds)
     if s.zero == 3:  # gathered full weights: a layer and its prefetched successor, or the LM head
         working_set += ZERO3_LIVE_LAYERS * m.layer_params * b
         loss += m.head_params * b

@@ -231,3 +231,58 @@ def test_cli_refuses_an_impossible_split(capsys):
     assert main(["--model", TINY, "--gpus", "8", "--sp", "3", "--gpu-memory-gib", "80"]) == 2
     assert "sp=3 must divide" in capsys.readouterr().err
     assert main(["--model", TINY, "--gpus", "8", "--sp", "8", "--ring", "3", "--gpu-memory-gib", "80"]) == 2
+
+
+QWEN35_TINY = dict(  # 3 Gated DeltaNet layers + 1 attention layer, Qwen3.5's layout at a small size
+    vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+    linear_value_head_dim=32, layer_types=["linear_attention"] * 3 + ["full_attention"],
+)  # fmt: skip
+
+
+def test_hybrid_shape_and_parameters():
+    config = transformers.Qwen3_5TextConfig(**QWEN35_TINY)
+    m = ModelShape.from_config(config)
+    assert (m.gdn_layers, m.conv_layers, m.attention_layers) == (3, 0, 1)
+    assert (m.linear_k_heads, m.linear_v_heads, m.linear_k_dim, m.linear_v_dim, m.conv_width) == (2, 4, 32, 32, 4)
+    assert m.conv_channels == 2 * 2 * 32 + 4 * 32
+    assert m.params == _meta_params(config)
+    lfm2 = ModelShape.from_config(
+        transformers.Lfm2Config(num_hidden_layers=3, layer_types=["conv", "conv", "full_attention"])
+    )
+    assert (lfm2.conv_layers, lfm2.attention_layers, lfm2.conv_width) == (2, 1, 3)
+
+
+def test_hybrid_layers_cost_more_than_attention():
+    """A Qwen3.5-shaped model saves more than the attention-only model of the same dims (the fp32 delta-rule core),
+    more still under SP (the core runs twice: on ``[v | 0]`` and for the incoming state), plus the SP summaries,
+    which do not grow with the length; dense models are unchanged (the other tests)."""
+    m = ModelShape.from_config(transformers.Qwen3_5TextConfig(**QWEN35_TINY))
+    dense = replace(m, gdn_layers=0)
+    for sp in (1, 2, 4):
+        for checkpointing in ("none", "full", "sequence_aware"):
+            s = Setting(gpus=sp, sp=sp, checkpointing=checkpointing, dtype="fp32", device="cpu")
+            hybrid, attention = estimate(m, s, 8192), estimate(dense, s, 8192)
+            assert hybrid.peak > attention.peak
+            if checkpointing == "none":
+                assert hybrid.saved_activations > 2 * attention.saved_activations
+            else:  # the same checkpoints (sequence_aware keeps attention tensors only), a larger working set
+                assert hybrid.saved_activations <= attention.saved_activations
+                assert checkpointing != "full" or hybrid.saved_activations == attention.saved_activations
+                assert hybrid.layer_working_set > attention.layer_working_set
+    s1, s2 = Setting(gpus=1, sp=1, checkpointing="none"), Setting(gpus=2, sp=2, checkpointing="none")
+    per_token = [estimate(m, s1, n).saved_activations / n for n in (4096, 8192)]
+    assert per_token[0] == pytest.approx(per_token[1])  # sp 1: linear in the length, no summaries
+    fixed = 2 * estimate(m, s2, 8192).saved_activations - estimate(m, s2, 16384).saved_activations
+    summary = 3 * 4 * 32 * (32 + 32) * 4 + 3 * m.conv_channels * 3 * 2  # (sp + 1) x (state summary + bf16 halo)
+    assert fixed == pytest.approx(3 * summary)  # one per GDN layer, independent of the length
+
+
+def test_cli_text_on_a_hybrid_config(tmp_path):
+    path = tmp_path / "qwen35-tiny" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(dict(QWEN35_TINY, model_type="qwen3_5_text")))
+    code, out = _run_cli("--model", str(path), "--gpus", "2", "--gpu-memory-gib", "4", "--device", "cpu", "--dtype",
+                         "fp32", "--table-zero", "0")  # fmt: skip
+    assert code == 0
+    assert "hybrid: 1 attention + 3 Gated DeltaNet (Hk 2, Hv 4, K 32, V 32, conv 4) layers" in out

@@ -65,3 +65,19 @@ def test_long_completion_grpo_recipe_smoke(tmp_path):
     run_smoke(ROOT / "grpo" / "qwen3-4b-lora-grpo-long-completions.sh", tmp_path)
     assert (tmp_path / "out" / "adapter_config.json").exists()
     assert logged(tmp_path / "out", "rewards/vowels/mean") == [1, 2]
+
+
+def test_bench_hybrid_smoke(tmp_path):
+    """scripts/bench_hybrid.py --smoke: one GDN layer, ours vs head-wise all-to-all on 2 CPU processes (the outputs
+    must agree and the counted bytes match the formulas), and the tiny Qwen3.5 under SP vs one process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT.parent)}
+    cmd = [sys.executable, str(ROOT / "bench_hybrid.py"), "--smoke", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (layer,) = json.loads((tmp_path / "hybrid_layer.json").read_text())["rows"]
+    assert max(layer["out_rel"], layer["grad_rel"]) < 1e-4
+    assert layer["ours_mb"] == pytest.approx(layer["ours_theory_mb"], rel=1e-6)
+    assert layer["headwise_mb"] == pytest.approx(layer["headwise_theory_mb"], rel=1e-6)
+    (model,) = json.loads((tmp_path / "hybrid_model.json").read_text())["rows"]
+    assert model["loss_sp"] == pytest.approx(model["loss_single"], rel=1e-4)
+    assert (tmp_path / "hybrid_bytes.csv").exists() and "| sp | length |" in done.stdout

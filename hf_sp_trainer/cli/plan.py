@@ -80,6 +80,16 @@ def _describe(s: Setting, ulysses: int, ring: int) -> str:
     return ", ".join(parts + [s.dtype, s.device])
 
 
+def _hybrid(m: ModelShape) -> str:
+    parts = [f"{m.attention_layers} attention"]
+    if m.gdn_layers:
+        parts.append(f"{m.gdn_layers} Gated DeltaNet (Hk {m.linear_k_heads}, Hv {m.linear_v_heads}, K "
+                     f"{m.linear_k_dim}, V {m.linear_v_dim}, conv {m.conv_width})")  # fmt: skip
+    if m.conv_layers:
+        parts.append(f"{m.conv_layers} short conv (width {m.conv_width})")
+    return " + ".join(parts) + " layers"
+
+
 def breakdown_lines(m: ModelShape, e: planner.Breakdown, budget: float, device: str = "cuda") -> list[str]:
     when = "start of backward" if e.peak_phase == "activations" else "end of backward / optimizer step"
     parts = [
@@ -153,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{shape.name}: {size} parameters (hidden {shape.hidden}, {shape.layers} layers, "
           f"{shape.heads}/{shape.kv_heads} heads, intermediate {shape.intermediate}, vocab {shape.vocab}) on "
           f"{args.gpus} x {args.gpu_memory_gib:g} GiB")  # fmt: skip
+    if shape.gdn_layers or shape.conv_layers:
+        print(f"hybrid: {_hybrid(shape)}")
     print(f"setting: {_describe(setting, ulysses, ring)}")
     print("\n".join(breakdown_lines(shape, estimate, budget, setting.device)))
     print(f"    longest trainable length for this setting: {_tokens(longest)} tokens"

@@ -1,0 +1,49 @@
+"""What the hybrid layers' mixers save per local token and per layer under SP, for the memory model (``planner``):
+Gated DeltaNet (Qwen3.5, Qwen3-Next) and LFM2's short conv. Counts follow transformers' torch code paths."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .planner import ModelShape
+
+GDN_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule chunk size
+
+
+def gdn_core_floats(m: ModelShape, values: int) -> float:
+    """fp32 values per token that autograd keeps in transformers' ``torch_chunk_gated_delta_rule`` (the torch path,
+    what runs without FLA; FLA's kernel keeps far less), per value head (q and k repeated to the value heads):
+    8 ``K``-wide (the fp32 q, k, l2-normed k, scaled q, ``k_beta``, ``k_cumdecay``, decayed q and k), 3
+    ``values``-wide (fp32 v, the UT solve's output, each chunk's ``v_new``), 5 chunk-wide (the pairwise decays, the
+    two ``k k^T`` / ``q k^T`` products and their decayed results), one ``[K, values]`` state per chunk, ~4 scalars."""
+    k, c = m.linear_k_dim, GDN_CHUNK
+    return m.linear_v_heads * (8 * k + 3 * values + 5 * c + k * values / c + 4)
+
+
+def mixer_per_token(m: ModelShape, kind: str, b: int, sp: int) -> float:
+    """Bytes a GDN or short-conv mixer saves per local token. GDN: the projections' outputs (qkv, z, b, a; the
+    fp32 softplus / decay), the conv's pre-activation and output, the fp32 core (``gdn_core_floats``), the gated
+    RMSNorm (fp32 input, normalised value, fp32 gate) and ``out_proj``'s input. Under SP (``sp > 1``) the core runs
+    once on values ``[v | 0]`` (``V + K`` wide, for the state summary) and once more for the incoming state's
+    correction: the worst case, a document that spans the rank's shard. LFM2's conv: ``B C x``, ``B x``, the conv
+    output, ``C y`` (x hidden)."""
+    if kind == "conv":
+        return 6 * m.hidden * b
+    hv, vd, c = m.linear_v_heads, m.linear_v_dim, m.conv_channels
+    proj = (2 * c + hv * vd + hv) * b + 3 * hv * 4  # qkv (conv input), conv pre-activation, z, beta; fp32 a, g
+    core = gdn_core_floats(m, vd) if sp == 1 else gdn_core_floats(m, vd + m.linear_k_dim) + gdn_core_floats(m, vd)
+    return proj + c * b + 4 * core + hv * vd * (3 * 4 + b)  # + the conv output (SiLU), the core, norm + out_proj
+
+
+def mixer_fixed(m: ModelShape, kind: str, b: int, sp: int, ring: int) -> float:
+    """Length-independent bytes of one hybrid mixer under SP (batch 1): the state summaries ``[runs, Hv, K, V + K]``
+    (fp32; this rank's and the gathered ``sp`` of them) and the conv halos ``[runs, C, W - 1]`` likewise, ``runs``
+    = 2 with a ring (zigzag), else 1."""
+    if sp == 1:
+        return 0.0
+    runs, channels = (2 if ring > 1 else 1), (m.hidden if kind == "conv" else m.conv_channels)
+    halo = (sp + 1) * runs * channels * (m.conv_width - 1) * b
+    if kind == "conv":
+        return halo
+    return halo + (sp + 1) * runs * m.linear_v_heads * m.linear_k_dim * (m.linear_v_dim + m.linear_k_dim) * 4
