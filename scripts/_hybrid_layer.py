@@ -48,11 +48,11 @@ QWEN35 = GDNShape(32, 16, 128, 128)  # Qwen3.5 / Qwen3-Next GDN layers
 # -- bytes: sent + received per rank, per layer, per forward + backward -------------------------------------------
 def ours_bytes(m: GDNShape, sp: int, rows: int = 1, max_runs: int = 1, act: int = 4) -> dict[str, int]:
     """Summary gather ``[max_runs, b, Hv, K, V + K]`` fp32 and halo gather ``[max_runs, b, C, W - 1]`` (``act`` bytes):
-    an all-gather sends and receives ``(P - 1) x`` its input, the backward's all-reduce of the ``[P, ...]`` gradient
-    (ring algorithm) ``2 (P - 1) / P x`` it each way: ``6 (P - 1) x`` the payload in all."""
+    an all-gather sends and receives ``(P - 1) x`` its input, the backward's reduce-scatter of the ``[P, ...]``
+    gradient ``(P - 1) / P x`` it each way: ``4 (P - 1) x`` the payload in all."""
     summary = max_runs * rows * m.v_heads * m.k_dim * (m.v_dim + m.k_dim) * 4
     halo = max_runs * rows * m.channels * (m.width - 1) * act
-    return {"summary": 6 * (sp - 1) * summary, "halo": 6 * (sp - 1) * halo}
+    return {"summary": 4 * (sp - 1) * summary, "halo": 4 * (sp - 1) * halo}
 
 
 def headwise_bytes(m: GDNShape, sp: int, length: int, rows: int = 1, act: int = 4, z: bool = False) -> dict[str, int]:
@@ -71,8 +71,8 @@ def headwise_bytes(m: GDNShape, sp: int, length: int, rows: int = 1, act: int = 
 
 class CommLog:
     """Bytes sent + received by this rank in the collectives the two implementations call, from the tensors handed
-    to them: all-gather ``2 (P - 1) x`` the input, all-reduce ``4 (P - 1) / P x`` the tensor, all-to-all
-    ``2 (P - 1) / P x`` the input; ``calls`` by collective."""
+    to them: all-gather ``2 (P - 1) x`` the input, all-reduce ``4 (P - 1) / P x`` the tensor, reduce-scatter and
+    all-to-all ``2 (P - 1) / P x`` the input; ``calls`` by collective."""
 
     def __init__(self):
         self.bytes, self.calls = collections.Counter(), collections.Counter()
@@ -81,6 +81,12 @@ class CommLog:
     def __enter__(self):
         world = dist.get_world_size()
         gather_into, all_reduce, a2a = gather._gather_into, dist.all_reduce, dist.all_to_all_single
+        reduce_scatter = gather._reduce_scatter
+
+        def counted_scatter(out, x, group=None, **kw):
+            self.bytes["reduce_scatter"] += 2 * (world - 1) * x.nbytes // world
+            self.calls["reduce_scatter"] += 1
+            return reduce_scatter(out, x, group=group, **kw)
 
         def counted_gather(out, x, group=None, **kw):
             self.bytes["all_gather"] += 2 * (world - 1) * x.nbytes
@@ -97,12 +103,13 @@ class CommLog:
             self.calls["all_to_all"] += 1
             return a2a(out, x, *args, **kw)
 
-        self._saved = (gather_into, all_reduce, a2a)
+        self._saved = (gather_into, all_reduce, a2a, reduce_scatter)
         gather._gather_into, dist.all_reduce, dist.all_to_all_single = counted_gather, counted_reduce, counted_a2a
+        gather._reduce_scatter = counted_scatter
         return self
 
     def __exit__(self, *exc):
-        gather._gather_into, dist.all_reduce, dist.all_to_all_single = self._saved
+        gather._gather_into, dist.all_reduce, dist.all_to_all_single, gather._reduce_scatter = self._saved
 
     @property
     def total(self) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "gpu_check.py"
-CHECKS = ["a_kernels", "b_fused_loss", "c_offload", "d_long_context"]
+CHECKS = ["a_kernels", "b_fused_loss", "c_offload", "d_long_context", "e_hybrid"]
 
 
 def _run(out: Path, *flags: str) -> dict:
@@ -69,6 +69,12 @@ def test_dry_run_report(tmp_path):
     extrapolation = long["extrapolation"]
     assert "model" in extrapolation and extrapolation["capacity_mb"] > 0
     assert extrapolation["longest_tokens_32_layers"] is None or extrapolation["longest_tokens_32_layers"] >= 0
+
+    hybrid = _ok(report, "e_hybrid")  # the kernels split as SP splits a document (CPU: fp32 only)
+    for name in ("gdn_fp32", "kda_fp32", "conv_fp32"):
+        assert "error" not in hybrid[name], (name, hybrid[name])
+        assert max(hybrid[name].values()) <= 1e-5, (name, hybrid[name])
+    assert {"split_out", "split_final", "split_dg", "split_dbeta"} <= hybrid["gdn_fp32"].keys()
 
 
 def test_out_of_budget_checks_are_skipped(tmp_path):

@@ -1,5 +1,7 @@
-"""Sequence mixers other than attention (convolutions, SSMs, linear attention): detection now, SP support later."""
+"""Sequence mixers other than attention under SP: hybrid models' convolutions and linear recurrences run exactly
+(``swap.attach_mixers``: conv halo, state summaries gathered across ranks; ``documents.keep_documents_apart`` at
+sp_size 1), anything else is refused (``detect``). Only ``detect`` is imported here: the attention imports it."""
 
-from .detect import check_sequence_mixers, sequence_mixers
+from .detect import check_sequence_mixers, covered_mixers, sequence_mixers
 
-__all__ = ["check_sequence_mixers", "sequence_mixers"]
+__all__ = ["check_sequence_mixers", "covered_mixers", "sequence_mixers"]

@@ -47,8 +47,8 @@ DECODE_ONLY_KERNELS = (
 # Names of functions that mix the sequence (a mixer calling one not in SP_KERNELS is not covered).
 MIXING_FUNCTION = re.compile(r"conv|delta|scan|selective|recurren|lightning|ssd|wkv|lstm|mamba|rglru", re.I)
 HYBRID_ADVICE = (
-    "Use sp_size=1 for this model (sequence parallelism for hybrid models with such layers is planned: "
-    "hf_sp_trainer.mixers)."
+    "Use sp_size=1 for this model (hf_sp_trainer.mixers runs Gated DeltaNet, Kimi delta attention, Mamba2 and short "
+    "convolutions exactly under SP; this layer is none of those)."
 )
 
 

@@ -1,8 +1,8 @@
 """The one collective of the hybrid mixers: a differentiable all-gather of small per-rank summaries.
 
 Forward: every rank's ``x`` stacked as ``[P, ...]``. Backward: each rank's gradient is the sum over ranks of what
-they propagated into its slice (an all-reduce of the gathered gradient, then this rank's slice: the payloads are
-conv halos and recurrent-state summaries, small and independent of the sequence length). Buffers are contiguous,
+they propagated into its slice (a reduce-scatter of the gathered gradient; the payloads are conv halos and
+recurrent-state summaries, small and independent of the sequence length). Buffers are contiguous,
 as gloo needs for inputs and outputs.
 """
 
@@ -23,12 +23,14 @@ class _AllGatherStack(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad[dist.get_rank(ctx.group)], None
+        out = torch.empty_like(grad[:1])
+        _reduce_scatter(out, grad.contiguous(), group=ctx.group)
+        return out[0], None
 
 
-_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the name torch 2.13 prefers
+# the names torch 2.13 prefers
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def all_gather_stack(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
