@@ -123,3 +123,15 @@ def test_pure_mamba2_refused_clearly() -> None:
     assert {type(model.get_submodule(c)).__name__ for c in covered_mixers(model)} == {"Mamba2Mixer"}
     with pytest.raises(ValueError, match="no attention heads"):
         validate_model_for_sp(model, 2)
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_modules_import_on_their_own() -> None:
+    """The attention imports ``mixers.detect`` and the mixers import the attention: no import cycle, whichever
+    module a script imports first."""
+    import subprocess
+    import sys
+
+    code = "import hf_sp_trainer.attention.ulysses, hf_sp_trainer.mixers.swap"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
