@@ -41,6 +41,7 @@ MOE_FAMILIES = {  # not dense per-token MLPs (tiled_mlp refuses them)
 HYBRID_FAMILIES = {
     "qwen3_5": "Qwen3_5TextConfig",  # Gated DeltaNet (conv + delta rule) and gated full attention
     "lfm2": "Lfm2Config",  # gated short convolutions and attention
+    "granitemoehybrid": "GraniteMoeHybridConfig",  # Granite-4.0-H: Mamba2 and attention, MoE
 }
 # MoE families with the router's load-balancing loss on (a coefficient large enough to matter in every comparison)
 MOE_ROUTER_LOSS = {
@@ -79,6 +80,18 @@ FAMILY_OVERRIDES = {
         linear_conv_kernel_dim=4,
     ),  # fmt: skip
     "lfm2": dict(layer_types=["conv", "full_attention"], conv_L_cache=3, block_ff_dim=128),
+    "granitemoehybrid": dict(
+        layer_types=["mamba", "attention"],
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_n_groups=1,
+        mamba_d_state=8,
+        mamba_chunk_size=8,
+        mamba_d_conv=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=64,
+    ),  # fmt: skip
 }
 
 

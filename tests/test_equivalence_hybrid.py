@@ -1,6 +1,7 @@
-"""Hybrid models (Qwen3.5's Gated DeltaNet, LFM2's short convolutions) under SP: SPTrainer on 2 and 4 gloo processes
-trains exactly like plain Trainer in one process, whose rows are one document each (transformers' own forward leaks
-these layers' state across packed documents; SP keeps every document apart, at every sp_size)."""
+"""Hybrid models (Qwen3.5's Gated DeltaNet, LFM2's short convolutions, Granite-4.0-H's Mamba2) under SP: SPTrainer
+on 2 and 4 gloo processes trains exactly like plain Trainer in one process, whose rows are one document each
+(transformers' own forward leaks these layers' state across packed documents; SP keeps every document apart, at
+every sp_size)."""
 
 import pytest
 import torch
@@ -34,6 +35,7 @@ WORLD2 = [
         "sft_qwen3_5_gdn", family="qwen3_5", data="prompt_completion", config=dict(optim="sgd", learning_rate=0.05)
     ),
     SFTCase("sft_lora_lfm2", family="lfm2", lora=True),
+    Case("granite4h_mamba2_sgd_ga2", family="granitemoehybrid", grad_accum=2, **SGD),  # Mamba2 + attention + MoE
 ]
 WORLD4 = [
     Case("sp4_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, **SGD),  # a document over >= 3 ranks
@@ -46,7 +48,7 @@ WORLD4 = [
 def test_reference_keeps_documents_apart_and_packing_would_not():
     """Negative control for the reference: transformers' packed forward of a hybrid model differs from its forward
     of each document alone (the state leaks), while the padded rows the references train on do not."""
-    for family in ("qwen3_5", "lfm2"):
+    for family in ("qwen3_5", "lfm2", "granitemoehybrid"):
         model = tiny_model(family).eval()
         g = torch.Generator().manual_seed(0)
         docs = [torch.randint(3, 128, (n,), generator=g) for n in (13, 9)]

@@ -179,8 +179,11 @@ def release_mixers() -> None:
 
 
 def check_kernel(module_name: str, name: str, fn: Callable) -> None:
-    """Raise unless the installed ``fn`` still computes what its SP version relies on (a small CPU input)."""
-    ok = _CHECKS.get(name, lambda fn: True)(fn)
+    """Raise unless the installed ``fn`` still computes what its SP version relies on (a small CPU input). The check
+    runs transformers' torch path (``__wrapped__`` of its hub wrapper): a CUDA package the wrapper would dispatch to
+    (flash-linear-attention, mamba-ssm, causal-conv1d) can't take CPU tensors; those kernels are
+    ``scripts/gpu_check.py``'s to check."""
+    ok = _CHECKS.get(name, lambda fn: True)(getattr(fn, "__wrapped__", fn))
     if not ok:
         raise ValueError(
             f"{module_name}.{name} no longer computes what hf_sp_trainer's sequence-parallel version of it assumes "
