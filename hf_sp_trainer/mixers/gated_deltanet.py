@@ -51,15 +51,12 @@ def sp_chunk_gated_delta_rule(
 
     for row in range(b):
         for i, run in enumerate(runs.mine):
-            cuts = runs.starts_in(row, run)
-            continues = not cuts or cuts[0] != 0
-            edges = sorted({0, *cuts, run.length})
+            slices, continues = runs.segments(row, run)
             pieces = []
-            for n, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
-                sl = slice(run.local_start + lo, run.local_start + hi)
+            for n, sl in enumerate(slices):
                 v = value[row : row + 1, sl]
-                last = n == len(edges) - 2
-                if continues and not cuts:  # one segment, continuing a document: output, S_ext and M in one call
+                last = n == len(slices) - 1
+                if continues and len(slices) == 1:  # continuing a document, none starting: output, S_ext, M at once
                     widened = torch.cat([v, v.new_zeros(*v.shape[:-1], k_dim)], -1)
                     state = torch.cat([eye.new_zeros(k_dim, v_dim), eye], -1).expand(1, v_heads, k_dim, -1)
                     out, final = call(row, sl, widened, state.contiguous(), True)

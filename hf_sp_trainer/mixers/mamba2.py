@@ -79,13 +79,10 @@ def sp_mamba2_chunk_scan(
 
     for row in range(b):
         for i, run in enumerate(runs.mine):
-            cuts = runs.starts_in(row, run)
-            continues = not cuts or cuts[0] != 0
-            edges = sorted({0, *cuts, run.length})
+            slices, continues = runs.segments(row, run)
             pieces = []
-            for n, (lo, hi) in enumerate(zip(edges[:-1], edges[1:], strict=True)):
-                sl = slice(run.local_start + lo, run.local_start + hi)
-                if n == len(edges) - 2:  # the last segment: its final state is the run's S_ext
+            for n, sl in enumerate(slices):
+                if n == len(slices) - 1:  # the last segment: its final state is the run's S_ext
                     out, final = call(row, sl, x[row : row + 1, sl], None, False, True)
                     summaries[run.index, row, ..., :state_size] = final[0]
                 else:
@@ -93,7 +90,7 @@ def sp_mamba2_chunk_scan(
                 pieces.append(out)
                 if n == 0 and continues:
                     pending.append((row, i, run, sl))
-            if not cuts:  # no document starts in the run: the incoming state decays through all of it
+            if continues and len(slices) == 1:  # no document starts in the run: the state decays through all of it
                 run_steps = steps[row, run.local_start : run.local_start + run.length]
                 decay = run_decay(A, run_steps)  # [H]
                 summaries[run.index, row, ..., state_size] = decay[:, None].expand(heads, head_dim)

@@ -57,6 +57,16 @@ class ShardRuns:
         flags = self.is_start[row, run.start : run.end]
         return flags.nonzero().flatten().tolist()
 
+    def segments(self, row: int, run: Run) -> tuple[list[slice], bool]:
+        """``run`` of ``row`` cut at its document starts, as slices of the rank's shard, and whether the first
+        segment continues a document begun before the run (one segment that continues: no document starts in it)."""
+        cuts = self.starts_in(row, run)
+        edges = sorted({0, *cuts, run.length})
+        slices = [
+            slice(run.local_start + lo, run.local_start + hi) for lo, hi in zip(edges[:-1], edges[1:], strict=True)
+        ]
+        return slices, not cuts or cuts[0] != 0
+
 
 def shard_runs(bounds: torch.Tensor, rows: int, sharding: SequenceSharding, rank: int) -> ShardRuns:
     """The runs of every rank for a forward of ``rows`` rows whose documents are ``bounds`` (document starts over the
