@@ -27,6 +27,7 @@ _EXPORTS = {
     "ULYSSES_KEY": "attention.ulysses",
     "UlyssesAttention": "attention.ulysses",
     "SPDataCollator": "collators",
+    "SPMultimodalCollator": "collators",
     "SequenceParallel": "parallel",
     "apply_sequence_parallel": "parallel",
     "SFTConfig": "sft",
@@ -49,6 +50,7 @@ __all__ = [
     "SPRewardTrainer",
     "SFTConfig",
     "SPDataCollator",
+    "SPMultimodalCollator",
     "SPSFTTrainer",
     "SPTrainer",
     "SequenceParallel",
@@ -65,7 +67,7 @@ __all__ = [
 if TYPE_CHECKING:
     from .arguments import SequenceParallelArguments, TrainingArguments
     from .attention.ulysses import ULYSSES_KEY, UlyssesAttention
-    from .collators import SPDataCollator
+    from .collators import SPDataCollator, SPMultimodalCollator
     from .dpo import DPOConfig, SPDPOTrainer
     from .grpo import GRPOConfig, RLOOConfig, SPGRPOTrainer, SPRLOOTrainer
     from .kto import KTOConfig, SPKTOTrainer

@@ -36,11 +36,46 @@ def check_loss_options(trainer: Any) -> None:
             f"and the step's token count, without full logits for fused_loss); {', '.join(custom)} is not supported "
             "with it. Remove it, or set sp_size=1 and fused_loss=False."
         )
-    if args.sp_size > 1 and not trainer.model_accepts_loss_kwargs:
+    if args.sp_size > 1 and not trainer.model_accepts_loss_kwargs and not passes_loss_kwargs(trainer.model):
         raise ValueError(
             f"sp_size={args.sp_size} needs a model whose forward takes the loss kwargs (shift_labels, "
             f"num_items_in_batch); {type(trainer.model).__name__}'s does not."
         )
+
+
+def passes_loss_kwargs(model) -> bool:
+    """The forward hands its ``**kwargs`` to ``self.loss_function`` (the Qwen-VL family does, though it sets
+    ``accepts_loss_kwargs = False`` so that the Trainer averages its loss per micro-batch)."""
+    import ast
+    import inspect
+    import textwrap
+
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    return any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "loss_function"
+        and any(k.arg is None for k in n.keywords)
+        for n in ast.walk(tree)
+    )
+
+
+def micro_batch_loss(trainer: Any, compute_loss: Callable, model, inputs: dict, return_outputs: bool):
+    """Training loss under SP for a model the Trainer averages per micro-batch (``accepts_loss_kwargs = False``):
+    this rank's token-loss sum over the whole SP group's token count, times ``sp_size`` (the gradient average over
+    the SP group divides it back); the Trainer then divides by the accumulation steps as it does on one device."""
+    group = trainer.sp.topology.sp_group
+    count = (inputs["shift_labels"] != IGNORE_INDEX).sum()
+    dist.all_reduce(count, group=group)
+    inputs = {**inputs, "num_items_in_batch": count.clamp(min=1)}
+    result = compute_loss(model, inputs, return_outputs, None)
+    loss, outputs = result if return_outputs else (result, None)
+    loss = loss * trainer.sp.topology.sp_size
+    return (loss, outputs) if return_outputs else loss
 
 
 def sp_eval_loss(trainer: Any, compute_loss: Callable, model, inputs: dict, return_outputs: bool):
@@ -49,9 +84,11 @@ def sp_eval_loss(trainer: Any, compute_loss: Callable, model, inputs: dict, retu
     group = trainer.sp.topology.sp_group
     count = (inputs["shift_labels"] != IGNORE_INDEX).sum()
     dist.all_reduce(count, group=group)
+    if not trainer.model_accepts_loss_kwargs:  # the Trainer won't pass it on: the model gets it directly
+        inputs = {**inputs, "num_items_in_batch": count.clamp(min=1)}
     result = compute_loss(model, inputs, return_outputs, num_items_in_batch=count.clamp(min=1))
     loss, outputs = result if return_outputs else (result, None)
-    if trainer.args.average_tokens_across_devices:  # undo the DDP compensation: this loss is not backpropagated
+    if trainer.args.average_tokens_across_devices and trainer.model_accepts_loss_kwargs:  # undo the Trainer's x DDP
         loss = loss / (trainer.accelerator.num_processes // trainer.get_tp_size())
     loss = loss.detach().clone()
     dist.all_reduce(loss, group=group)

@@ -22,6 +22,8 @@ from .attention import UlyssesAttention, all_gather_along, validate_model_for_sp
 from .attention.ulysses import VARLEN_KEY, head_counts
 from .distributed.teardown import register_exit_hook
 from .mixers.swap import attach_mixers, check_mixer_kernels, release_mixers
+from .multimodal.features import MediaFeatures
+from .multimodal.parts import is_multimodal
 from .router_loss import RouterLoss, sp_router_loss
 from .sharding import SequenceSharding
 from .topology import SPTopology, release_groups, sp_topology
@@ -38,6 +40,7 @@ class SequenceParallel:
     sharding: SequenceSharding
     attention: UlyssesAttention
     router_loss: RouterLoss | None = None  # MoE models: the load-balancing loss as shares of the whole sequence's
+    media: MediaFeatures | None = None  # VLMs: each rank's placeholder rows of the encoded images / videos
 
     def shard_batch(self, batch: dict[str, Any], pad_token_id: int = 0) -> dict[str, Any]:
         """The full batch (the same on every rank of the SP group) -> this rank's shard, for ``model(**shard)``."""
@@ -53,6 +56,8 @@ class SequenceParallel:
         self.attention.detach(self.model)
         if self.router_loss is not None:
             self.router_loss.detach()
+        if self.media is not None:
+            self.media.detach()
 
     def remove(self) -> None:
         """End SP in this process: detach it from the model and destroy its process groups (every rank calls it,
@@ -113,6 +118,7 @@ def apply_sequence_parallel(
     attention.attach(model)
     attach_mixers(model, topology, sharding)  # hybrid layers' convs and recurrences, exact across the ranks
     router_loss = sp_router_loss(model, topology.sp_group)
+    media = MediaFeatures(model, topology, sharding) if is_multimodal(model) else None
     if topology.rank == 0:
         heads, kv_heads = head_counts(model.config)
         logger.info(
@@ -120,5 +126,5 @@ def apply_sequence_parallel(
             f"{kv_heads} kv heads, kernel {kernel!r}, {topology.dp_size} data-parallel group(s)."
         )
     return SequenceParallel(
-        model=model, topology=topology, sharding=sharding, attention=attention, router_loss=router_loss
+        model=model, topology=topology, sharding=sharding, attention=attention, router_loss=router_loss, media=media
     )

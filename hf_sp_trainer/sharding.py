@@ -25,6 +25,11 @@ import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 _LABEL_KEYS = ("labels", "shift_labels")
+# Media inputs of vision-language models: every rank holds them whole (multimodal.features encodes them), whatever
+# their shapes happen to be.
+MEDIA_KEYS = frozenset(
+    {"pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts", "image_sizes"}
+)
 
 
 def sequence_length(batch: dict[str, Any]) -> int:
@@ -98,7 +103,11 @@ def pad_to_multiple(batch: dict[str, Any], multiple: int, pad_token_id: int = 0)
         batch = {**batch, "attention_mask": torch.ones(ref.shape[:2], dtype=torch.long, device=ref.device)}
     out = {}
     for key, value in batch.items():
-        if not _is_sequence_tensor(value, length):
+        if _is_rope_positions(key, value, length):  # [4, b, s]: every row numbers the padding 0, 1, ...
+            pad = torch.arange(extra, device=value.device, dtype=value.dtype).expand(*value.shape[:2], extra)
+            out[key] = torch.cat([value, pad], dim=-1)
+            continue
+        if not _is_sequence_tensor(value, length, key):
             out[key] = value
             continue
         pad_shape = (value.shape[0], extra, *value.shape[2:])
@@ -146,10 +155,15 @@ class SequenceSharding:
         index = self.positions(length, sp_rank)
         start, size = int(index[0]), len(index)
         contiguous = bool((index == torch.arange(start, start + size)).all())
-        return {
-            key: _take(value, index, start, size, contiguous) if _is_sequence_tensor(value, length) else value
-            for key, value in batch.items()
-        }
+        out = {}
+        for key, value in batch.items():
+            if _is_rope_positions(key, value, length):  # [4, b, s]: sharded along the sequence, the last dim
+                out[key] = _take(value.movedim(-1, 1), index, start, size, contiguous).movedim(1, -1)
+            elif _is_sequence_tensor(value, length, key):
+                out[key] = _take(value, index, start, size, contiguous)
+            else:
+                out[key] = value
+        return out
 
     def shard_batch(self, batch: dict[str, Any], sp_rank: int, pad_token_id: int = 0) -> dict[str, Any]:
         """The full batch every rank of the SP group holds -> this rank's shard (checks, shift, pad, zigzag, slice)."""
@@ -175,5 +189,10 @@ def _take(value: torch.Tensor, index: torch.Tensor, start: int, size: int, conti
     return value.index_select(1, index.to(value.device))
 
 
-def _is_sequence_tensor(value: Any, length: int) -> bool:
-    return isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == length
+def _is_sequence_tensor(value: Any, length: int, key: str = "") -> bool:
+    return isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == length and key not in MEDIA_KEYS
+
+
+def _is_rope_positions(key: str, value: Any, length: int) -> bool:
+    """Multimodal rotary ``position_ids`` ``[rows, b, s]`` (Qwen-VL's text row then t / h / w)."""
+    return key == "position_ids" and isinstance(value, torch.Tensor) and value.ndim == 3 and value.shape[-1] == length

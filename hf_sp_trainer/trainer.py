@@ -20,11 +20,12 @@ import transformers
 from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
 from torch import nn
 
-from .collators import SPDataCollator
+from .collators import SPDataCollator, SPMultimodalCollator
 from .distributed import cpu_backend, teardown
-from .loss import check_loss_options, sp_eval_loss
+from .loss import check_loss_options, micro_batch_loss, sp_eval_loss
 from .memory import enable_memory_features, hidden_from_base_trainer, loss_only_inputs
 from .mixers.documents import keep_documents_apart
+from .multimodal.parts import is_multimodal
 from .parallel import SequenceParallel, apply_sequence_parallel, compile_decoder_layers
 from .throughput import add_throughput_callback
 from .topology import release_groups
@@ -61,7 +62,12 @@ class SequenceParallelMixin:
             if model is None:
                 raise ValueError("Sequence parallelism (sp_size > 1) needs a model; model_init is not supported.")
             if bound.arguments.get("data_collator") is None:
-                bound.arguments["data_collator"] = self.sp_default_collator(bound.arguments.get("processing_class"))
+                plain = unwrap_model(model)
+                bound.arguments["data_collator"] = (
+                    SPMultimodalCollator(plain)  # positions per document, media kept in token order
+                    if is_multimodal(plain)
+                    else self.sp_default_collator(bound.arguments.get("processing_class"))
+                )
         with hidden_from_base_trainer(training_args):  # memory-stack flags a TRL trainer would act on itself
             super().__init__(*bound.args, **bound.kwargs)
         teardown.register_exit_hook()  # a script that ends without trainer.end() still exits cleanly (sp_size 1 too)
@@ -155,9 +161,13 @@ class SequenceParallelMixin:
         return self.sp.shard_batch(inputs, self._sp_pad_id)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self.sp is None or model.training or "shift_labels" not in inputs:
+        if self.sp is None or "shift_labels" not in inputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        return sp_eval_loss(self, super().compute_loss, model, inputs, return_outputs)
+        if not model.training:
+            return sp_eval_loss(self, super().compute_loss, model, inputs, return_outputs)
+        if not self.model_accepts_loss_kwargs:  # e.g. Qwen-VL: the Trainer averages per micro-batch
+            return micro_batch_loss(self, super().compute_loss, model, inputs, return_outputs)
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
     # -- evaluation -----------------------------------------------------------------------------------------------
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):

@@ -36,6 +36,7 @@ SHRINK = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 16,
+    "num_heads": 8,  # Mamba2's SSM heads: hidden_size * expand == num_heads * head_dim
     "max_position_embeddings": 512,
     "use_cache": False,
     "tie_word_embeddings": False,
@@ -152,8 +153,9 @@ def tiny_configs(model_type: str, router_logits: bool = True):
     kwargs.update({k: 0.0 for k, v in default.to_dict().items() if _is_dropout(k, v)})  # same random draws: none
     n_default = default.num_hidden_layers
     per_layer = {k: v for k, v in default.to_dict().items() if isinstance(v, (list, str)) and len(v) == n_default > 2}
-    indices = {k: v for k, v in per_layer.items() if all(isinstance(i, int) for i in v)}  # e.g. full_attn_idxs
-    per_layer = {k: v for k, v in per_layer.items() if k not in indices}
+    ints = {k: v for k, v in per_layer.items() if all(isinstance(i, int) for i in v)}
+    indices = {k: v for k, v in ints.items() if v == sorted(set(v))}  # e.g. full_attn_idxs
+    per_layer = {k: v for k, v in per_layer.items() if k not in ints}  # per-layer sizes: derived from the shrunk ones
     if "layer_types" in known and getattr(default, "layer_types", None) is None:  # derived at model build
         per_layer["layer_types"] = ["full_attention"]
     if isinstance(per_layer.get("layer_types"), list):  # layer types the modeling code knows but the default lacks
@@ -172,6 +174,9 @@ def tiny_configs(model_type: str, router_logits: bool = True):
         kwargs["head_dim"] = kwargs["qk_rope_head_dim"]  # MLA: head_dim is the rope part
     if "kv_lora_rank" in kwargs and "num_key_value_heads" in kwargs:  # MLA: every head has its own k and v
         kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]
+    rope = getattr(default, "rope_parameters", None)
+    if rope == {} and isinstance(kwargs.get("layer_types"), list):  # keyed by layer type, but empty by default
+        kwargs["rope_parameters"] = {t: {"rope_type": "default", "rope_theta": 10000.0} for t in kwargs["layer_types"]}
     attempts = [kwargs]
     own = getattr(default, "layer_types", None)
     if "layer_types" in per_layer and isinstance(own, list) and per_layer["layer_types"] != own:  # its own types

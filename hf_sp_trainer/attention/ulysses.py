@@ -20,6 +20,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..mixers.detect import check_sequence_mixers, uses_attention_registry
+from ..multimodal.parts import check_multimodal, encoder_config_keys, is_multimodal, text_decoder
 from ..sharding import SequenceSharding, check_sp_padding
 from ..topology import SPTopology, split_sp_size
 from .all_to_all import all_gather_along, all_to_all
@@ -32,6 +33,7 @@ ULYSSES_KEY = "ulysses_sp"  # must contain neither "flash" nor "sdpa": those tri
 VARLEN_KEY = "varlen"  # torch's own varlen flash attention (CUDA): one kernel call per layer for all documents
 BOUNDS_KWARG = "sp_document_bounds"  # passed by the decoder pre-hook down to every attention call
 _HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> its gathering pre-hook
+_DECODER_MODULES: weakref.WeakSet = weakref.WeakSet()  # every module of every text decoder SP was attached to
 
 
 class _KVGroupsView:
@@ -89,7 +91,8 @@ def validate_model_for_sp(
             f"sequence parallelism (sp_size={sp_size}) can't be plugged in. Use a model whose class sets "
             "`_supports_attention_backend = True` (Llama, Qwen2/3, Mistral, Gemma, Phi3, ...) or sp_size=1."
         )
-    check_sequence_mixers(model, sp_size)
+    check_multimodal(model, sp_size)
+    check_sequence_mixers(text_decoder(model), sp_size)  # a VLM's encoders keep their own kernels
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if getattr(text, "num_attention_heads", None) is None:  # a pure state-space model (Mamba2ForCausalLM)
         raise ValueError(
@@ -170,6 +173,11 @@ class UlyssesAttention:
 
     # -- the attention function -------------------------------------------------------------------------------
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
+        if module not in _DECODER_MODULES:  # e.g. a VLM's vision tower reached through a shared sub-config key
+            raise RuntimeError(
+                f"SP attention was called by {type(module).__name__}, which is not part of a text decoder SP was "
+                "attached to; encoders must keep their own attention kernel."
+            )
         bounds = kwargs.pop(BOUNDS_KWARG, None)  # the whole sequence's documents, from the decoder pre-hook
         if bounds is None or self.layout is None:
             raise RuntimeError("SP attention was called outside a forward of the model it was attached to.")
@@ -231,10 +239,11 @@ class UlyssesAttention:
     def attach(self, model: PreTrainedModel) -> None:
         """Route ``model``'s attention through this backend and gather document boundaries once per forward."""
         # transformers validates the inner kernel (installed, GPU, ...); torch's varlen is ours, with sdpa's setup
-        model.set_attn_implementation(self._inner_key)
+        model.set_attn_implementation(_text_only(model, self._inner_key))
         AttentionInterface.register(ULYSSES_KEY, _ContiguousOutput(self))
-        model.set_attn_implementation(ULYSSES_KEY)
+        model.set_attn_implementation(_text_only(model, ULYSSES_KEY))
         decoder = _decoder(model)
+        _DECODER_MODULES.update(text_decoder(model).modules())
         if decoder in _HOOKS:  # attached before (e.g. a second trainer on the same model): replace the old hook
             _HOOKS[decoder].remove()
         _HOOKS[decoder] = decoder.register_forward_pre_hook(self._before_forward, with_kwargs=True)
@@ -244,7 +253,7 @@ class UlyssesAttention:
         hook = _HOOKS.pop(_decoder(model), None)
         if hook is not None:
             hook.remove()
-        model.set_attn_implementation(self._inner_key)
+        model.set_attn_implementation(_text_only(model, self._inner_key))
 
     @property
     def _inner_key(self) -> str:
@@ -275,6 +284,14 @@ class UlyssesAttention:
                 f"{self.sharding.multiple} (2 x sp_size with a ring); pad the batch with SequenceSharding.shard_batch."
             )
         position_ids = kwargs.get("position_ids")
+        rope = None  # multimodal rotary positions [4, b, s/P]: documents come from the text row, the rest passes on
+        if position_ids is not None and position_ids.ndim == 3:
+            if position_ids.shape[0] != 4:
+                raise ValueError(
+                    f"SP got position_ids of shape {tuple(position_ids.shape)}: 3-D positions need a text row first "
+                    "([4, batch, seq], as hf_sp_trainer.SPMultimodalCollator builds them) to tell documents apart."
+                )
+            rope, position_ids = position_ids, position_ids[0]
         if position_ids is None:
             position_ids = self.sharding.positions(full_len, self.topology.sp_rank).to(tokens.device).unsqueeze(0)
         position_ids = position_ids.expand(batch, -1)
@@ -286,14 +303,24 @@ class UlyssesAttention:
             full = self.sharding.unshard(all_gather_along(position_ids, 1, group))
         self.layout = DocumentLayout.from_position_ids(full)
         bounds = document_bounds(self.layout.segments, full_len)
-        kwargs.update(position_ids=position_ids, attention_mask=None, use_cache=False, **{BOUNDS_KWARG: bounds})
+        kwargs.update(attention_mask=None, use_cache=False, **{BOUNDS_KWARG: bounds})
+        kwargs["position_ids"] = position_ids if rope is None else rope
         return args, kwargs
+
+
+def _text_only(model: PreTrainedModel, key: str) -> str | dict[str, str]:
+    """``set_attn_implementation``'s argument that routes only the text decoder to ``key`` (a VLM's encoders keep
+    theirs: a plain string would reach every sub-config)."""
+    if not is_multimodal(model):
+        return key
+    keep = {k: getattr(model.config, k)._attn_implementation for k in encoder_config_keys(model)}
+    return {"text_config": key, **keep}
 
 
 def _decoder(model: PreTrainedModel) -> torch.nn.Module:
     """Where the attention kwargs flow: the base model, or the module inside it that holds every decoder layer and
     takes the tokens (OPT's ``model.decoder``, which ``OPTForCausalLM`` calls directly)."""
-    module = getattr(model, model.base_model_prefix, model)
+    module = text_decoder(model) if is_multimodal(model) else getattr(model, model.base_model_prefix, model)
     layers = {id(m) for m in module.modules() if isinstance(m, GradientCheckpointingLayer)}
     while layers:
         inner = [

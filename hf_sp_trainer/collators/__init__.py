@@ -1,5 +1,6 @@
 """Collators that turn examples into padding-free, SP-ready batches."""
 
+from .multimodal import SPMultimodalCollator
 from .packing import SPDataCollator
 
-__all__ = ["SPDataCollator"]
+__all__ = ["SPDataCollator", "SPMultimodalCollator"]

@@ -1,0 +1,104 @@
+"""Packing multimodal examples into one padding-free row, positions computed per document by the model itself."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..multimodal.parts import token_ids, vlm_base
+from ..sharding import IGNORE_INDEX
+
+# Per-example media tensors, concatenated over the examples in token order (first dim: patches, images or items).
+MEDIA_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "image_sizes",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "second_per_grid_ts",
+)
+TOKEN_KEYS = ("input_ids", "labels", "mm_token_type_ids")
+MODALITY_TYPE = {"image": 1, "video": 2}  # mm_token_type_ids: text 0, image 1, video 2
+
+
+class SPMultimodalCollator:
+    """Pack multimodal examples (a processor's output per example: ``input_ids``, ``labels``, ``pixel_values``,
+    ``image_grid_thw``, ...) into one row.
+
+    - ``input_ids`` / ``labels`` / ``mm_token_type_ids`` are concatenated; each document's first label is ``-100``;
+    - media tensors are concatenated in the same order, so the k-th placeholder of the row is the k-th feature row;
+    - positions restart per document: the model's own ``get_rope_index`` on each document alone, with a text row
+      in front (``[4, 1, S]``), for multimodal-rope models (Qwen-VL, GLM-4V); ``[1, S]`` otherwise (LLaVA-style).
+
+    The row is what one device trains on as well; ``hf_sp_trainer.sharding`` splits it for SP.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        base = vlm_base(model)
+        if base is None:
+            raise ValueError(f"SPMultimodalCollator needs a vision-language model; got {type(model).__name__}.")
+        self.token_ids = token_ids(model)
+        self._rope_index = getattr(base, "get_rope_index", None)
+        self._rope_params = set(inspect.signature(self._rope_index).parameters) if self._rope_index else set()
+        vision = getattr(model.config, "vision_config", None)
+        self._merge = getattr(vision, "spatial_merge_size", None)
+
+    def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        docs = [self._document(f) for f in features if len(f["input_ids"])]
+        if not docs:
+            raise ValueError("SPMultimodalCollator received a batch in which every example is empty.")
+        batch = {key: torch.cat([d[key] for d in docs]).unsqueeze(0) for key in TOKEN_KEYS}
+        batch["position_ids"] = torch.cat([d["position_ids"] for d in docs], dim=-1)
+        for key in MEDIA_KEYS:
+            values = [d[key] for d in docs if d.get(key) is not None]
+            if values:
+                batch[key] = torch.cat(values)
+        return batch
+
+    def _document(self, feature: dict[str, Any]) -> dict[str, Any]:
+        ids = torch.as_tensor(feature["input_ids"], dtype=torch.long).flatten()
+        labels = feature.get("labels")
+        labels = ids.clone() if labels is None else torch.as_tensor(labels, dtype=torch.long).flatten()
+        labels[0] = IGNORE_INDEX  # no document predicts the next one
+        types = torch.zeros_like(ids)
+        for modality, token in self.token_ids.items():
+            types[ids == token] = MODALITY_TYPE[modality]
+        doc = {"input_ids": ids, "labels": labels, "mm_token_type_ids": types}
+        doc |= {k: torch.as_tensor(feature[k]) for k in MEDIA_KEYS if feature.get(k) is not None}
+        self._check_grids(doc)
+        doc["position_ids"] = self._positions(doc)
+        return doc
+
+    def _check_grids(self, doc: dict[str, Any]) -> None:
+        """Each document's placeholders match its grids (``t * h * w / merge**2`` tokens per image / video)."""
+        if not self._merge:
+            return
+        for modality in self.token_ids:
+            grid = doc.get(f"{modality}_grid_thw")
+            placeholders = int((doc["mm_token_type_ids"] == MODALITY_TYPE[modality]).sum())
+            rows = 0 if grid is None else int((grid.prod(-1) // self._merge**2).sum())
+            if placeholders != rows:
+                raise ValueError(
+                    f"An example has {placeholders} {modality} placeholder tokens but its {modality}_grid_thw "
+                    f"{[] if grid is None else grid.tolist()} gives {rows} feature rows; build it with the processor."
+                )
+
+    def _positions(self, doc: dict[str, Any]) -> torch.Tensor:
+        n = len(doc["input_ids"])
+        text = torch.arange(n).view(1, 1, n)
+        if self._rope_index is None:
+            return text[0]  # [1, n]
+        has_media = bool(doc["mm_token_type_ids"].any())
+        if not has_media:
+            return text.expand(4, 1, n).clone()  # text only: every row counts 0, 1, ...
+        kwargs = {
+            "mm_token_type_ids": doc["mm_token_type_ids"][None],
+            **{k: doc[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in doc},
+        }
+        kwargs = {k: v for k, v in kwargs.items() if k in self._rope_params}
+        with torch.no_grad():
+            rope, _ = self._rope_index(doc["input_ids"][None], **kwargs)  # [3, 1, n]
+        return torch.cat([text, rope.to(torch.long)])

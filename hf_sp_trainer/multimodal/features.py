@@ -1,0 +1,120 @@
+"""Merge after slicing: each SP rank encodes the batch's media and keeps the feature rows of its own placeholders.
+
+A forward pre-hook on the VLM base model runs before its merge. It encodes every image / video of the batch (the
+same inputs on every rank of the SP group, so the same features; under ``no_grad`` when the encoder is frozen),
+finds the global index of each of this rank's placeholder tokens (one small all-gather of the placeholder masks),
+selects those rows (a differentiable ``index_select``; Qwen3-VL's deepstack levels likewise) and hands them to the
+model as ``mm_encoder_outputs``. The model's own ``get_placeholder_mask`` / ``masked_scatter`` then run unchanged on
+the shard: no rank builds the whole sequence's embeddings, and each encoder gradient arrives through the rank's own
+rows (summed over the SP group by the data-parallel reduction, as for ``embed_tokens``).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import PreTrainedModel
+
+from ..attention.all_to_all import all_gather_along
+from ..sharding import SequenceSharding
+from ..topology import SPTopology
+from .parts import text_decoder, token_ids, uses_mrope, vlm_base
+
+PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
+
+
+class MediaFeatures:
+    """The pre-hook that gives each rank the encoder features of its own placeholder tokens."""
+
+    def __init__(self, model: PreTrainedModel, topology: SPTopology, sharding: SequenceSharding):
+        self.topology, self.sharding = topology, sharding
+        self.token_ids = token_ids(model)
+        self.mrope = uses_mrope(model)
+        self.name = type(model).__name__
+        base = vlm_base(model)
+        decoder = {id(p) for p in text_decoder(model).parameters()}
+        self._encoder_params = [p for p in base.parameters() if id(p) not in decoder]
+        self._handle = base.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+
+    def detach(self) -> None:
+        self._handle.remove()
+
+    def _before_forward(self, base, args, kwargs):
+        if args:
+            raise ValueError(f"{self.name} under SP: pass the inputs by keyword (input_ids=..., pixel_values=...).")
+        media = [m for m in self.token_ids if kwargs.get(PIXELS[m]) is not None]
+        check_positions(self.name, kwargs.get("position_ids"), self.mrope, bool(media))
+        if not media:
+            return args, kwargs
+        input_ids = kwargs.get("input_ids")
+        if input_ids is None:
+            raise ValueError(f"{self.name} under SP with media needs input_ids (the placeholders), not inputs_embeds.")
+        local = torch.stack([input_ids == self.token_ids[m] for m in media]).to(torch.int32)  # [m, b, s/P]
+        group = self.topology.sp_group
+        full = self.sharding.unshard(all_gather_along(local, 2, group), 2)  # [m, b, s]: every rank, same values
+        positions = self.sharding.positions(full.shape[-1], self.topology.sp_rank).to(full.device)
+        outputs = dict(kwargs.get("mm_encoder_outputs") or {})
+        trainable = torch.is_grad_enabled() and any(p.requires_grad for p in self._encoder_params)
+        for i, modality in enumerate(media):
+            with torch.set_grad_enabled(trainable):
+                encoded = encode(base, modality, kwargs)
+            rows = torch.cat(list(encoded.pooler_output)) if _is_split(encoded.pooler_output) else encoded.pooler_output
+            rows = rows.reshape(-1, rows.shape[-1])
+            count = int(full[i].sum())
+            if count != rows.shape[0]:
+                raise ValueError(
+                    f"{self.name}: the batch has {count} {modality} placeholder tokens but its {PIXELS[modality]} "
+                    f"encode to {rows.shape[0]} feature rows; each {modality}'s placeholders must match its grid "
+                    "(build the examples with the model's processor)."
+                )
+            rank = (full[i].flatten().cumsum(0) - 1).view_as(full[i])  # global placeholder index, row-major (b, s)
+            index = rank[:, positions][local[i].bool()].to(rows.device)  # this rank's placeholders, in local order
+            encoded.pooler_output = (rows.index_select(0, index),)
+            deep = getattr(encoded, "deepstack_features", None)
+            if deep:  # Qwen3-VL: the same rows of every deepstack level
+                encoded.deepstack_features = [(_cat(level).index_select(0, index),) for level in deep]
+            if hasattr(encoded, "last_hidden_state"):
+                encoded.last_hidden_state = None  # the whole batch's patch states: not needed past this point
+            outputs[modality] = encoded
+            kwargs[PIXELS[modality]] = None
+        kwargs["mm_encoder_outputs"] = outputs
+        return args, kwargs
+
+
+def encode(base: torch.nn.Module, modality: str, kwargs: dict):
+    """The model's own encoder call (``get_image_features`` / ``get_video_features``) on every medium of the batch,
+    with the batch's kwargs its signature names (grids, image sizes, feature-layer choices)."""
+    fn = getattr(base, f"get_{modality}_features")
+    params = inspect.signature(fn).parameters
+    extra = {k: kwargs[k] for k in params if k in kwargs and k != PIXELS[modality] and kwargs[k] is not None}
+    if "return_dict" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        extra["return_dict"] = True
+    return fn(kwargs[PIXELS[modality]], **extra)
+
+
+def check_positions(name: str, position_ids, mrope: bool, has_media: bool) -> None:
+    """Multimodal rotary positions on a packed row need the text row (``[4, b, s]``): without it transformers
+    silently falls back to positions that ignore documents or images. Raised before any collective."""
+    if position_ids is None or position_ids.ndim < 3:
+        if mrope and has_media:
+            raise ValueError(
+                f"{name} under SP got {'no' if position_ids is None else '1-D'} position_ids with media: its "
+                "multimodal rotary positions must be computed per document on the whole row before sharding. Pack "
+                "the examples with hf_sp_trainer.SPMultimodalCollator(model), which gives [4, batch, seq] positions."
+            )
+        return
+    if position_ids.shape[0] != 4:
+        raise ValueError(
+            f"{name} under SP got position_ids of shape {tuple(position_ids.shape)}: a packed row needs "
+            "[4, batch, seq] (a text row restarting at 0 per document, then the t / h / w rows); without the text "
+            "row the documents can't be told apart. Use hf_sp_trainer.SPMultimodalCollator(model)."
+        )
+
+
+def _is_split(x) -> bool:
+    return isinstance(x, (list, tuple))
+
+
+def _cat(level) -> torch.Tensor:
+    return torch.cat(list(level)) if _is_split(level) else level

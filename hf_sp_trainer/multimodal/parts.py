@@ -1,0 +1,100 @@
+"""The parts of a vision-language model that sequence parallelism touches, and the VLMs it refuses.
+
+SP runs in the *text decoder* only (the language model inside the VLM base model); the vision / audio encoders keep
+their own kernel and encode every medium of the batch on every rank (``multimodal.features``). A VLM is supported
+when transformers lets the encoder outputs be passed in precomputed (``mm_encoder_outputs``), so the model's own
+merge runs on the rank's shard, and when nothing in its decoder depends on more than the shard SP gives it; the
+checks read the model's modules, config and forward signature, not a list of family names.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import PreTrainedModel
+
+MEDIA = ("image", "video")  # modalities whose features are merged at placeholder tokens
+ENCODER_CONFIG_HINTS = ("vision", "audio", "image", "video", "speech", "vq")
+
+
+def is_multimodal(model: torch.nn.Module) -> bool:
+    """A model with a text decoder beside encoders: a VLM base model holding ``language_model``."""
+    return vlm_base(model) is not None
+
+
+def vlm_base(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The VLM base model (``model.model`` of a ``...ForConditionalGeneration``), which merges media features into
+    the token embeddings and calls ``language_model``; ``None`` for a text-only model."""
+    for candidate in (model, getattr(model, "model", None)):
+        if candidate is not None and hasattr(candidate, "language_model") and hasattr(candidate, "get_image_features"):
+            return candidate
+    return None
+
+
+def text_decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The text decoder SP attaches to: the VLM's ``language_model``, or the model itself."""
+    base = vlm_base(model)
+    return base.language_model if base is not None else model
+
+
+def encoder_config_keys(model: PreTrainedModel) -> list[str]:
+    """The sub-configs of encoders (``vision_config``, ``audio_config``, ...): their attention keeps its kernel."""
+    subs = getattr(type(model.config), "sub_configs", {}) or {}
+    return sorted(k for k in subs if k != "text_config" and any(h in k for h in ENCODER_CONFIG_HINTS))
+
+
+def token_ids(model: PreTrainedModel) -> dict[str, int]:
+    """Placeholder token id per modality (``image_token_id`` / ``image_token_index``, ...)."""
+    config, out = model.config, {}
+    for modality in MEDIA:
+        for name in (f"{modality}_token_id", f"{modality}_token_index"):
+            value = getattr(config, name, None)
+            if isinstance(value, int):
+                out[modality] = value
+                break
+    return out
+
+
+def uses_mrope(model: PreTrainedModel) -> bool:
+    """Multimodal rotary positions (Qwen-VL, GLM-4V): ``[4, b, s]`` position ids (a text row, then t / h / w)."""
+    base = vlm_base(model)
+    return base is not None and hasattr(base, "get_rope_index")
+
+
+def check_multimodal(model: PreTrainedModel, sp_size: int) -> None:
+    """Refuse (``ValueError``, no collective) a VLM SP can't run exactly; a no-op for text-only models."""
+    base = vlm_base(model)
+    if base is None:
+        return
+    name = type(model).__name__
+    fix = f"Use sp_size=1 for this model (sp_size={sp_size})."
+    forward = inspect.signature(type(base).forward).parameters
+    if "mm_encoder_outputs" not in forward:
+        raise ValueError(
+            f"{name}: its base model {type(base).__name__} takes no precomputed encoder outputs (mm_encoder_outputs), "
+            f"so SP can't merge media features into each rank's shard. {fix}"
+        )
+    if not token_ids(model):
+        raise ValueError(f"{name} has no image/video placeholder token id in its config to place features at. {fix}")
+    if _bidirectional_media(base):
+        raise ValueError(
+            f"{name} lets image tokens attend bidirectionally within their image (a mask built from token_type_ids); "
+            f"SP attention is causal per document and would be silently wrong. {fix}"
+        )
+    text = model.config.get_text_config()
+    for field in ("attention_chunk_size", "no_rope_layers"):
+        if getattr(text, field, None):
+            raise ValueError(
+                f"{name}'s text decoder uses {field} (chunked attention by row index / NoPE temperature from the "
+                f"local row index): positions SP's shard doesn't see. {fix}"
+            )
+
+
+def _bidirectional_media(base: torch.nn.Module) -> bool:
+    """The base model builds a mask in which media tokens see later tokens of the same item (Gemma3-style)."""
+    try:
+        source = inspect.getsource(type(base))
+    except (OSError, TypeError):
+        return False
+    return "token_type_ids" in source and ("bidirectional" in source or "block_sequence_ids" in source)

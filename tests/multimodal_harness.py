@@ -1,0 +1,310 @@
+"""Tiny vision-language models and packed multimodal rows, for the SP-vs-each-document-alone checks.
+
+A case is a list of documents; a document is text with images / videos placed by the family's own conventions
+(Qwen-VL: ``<vision_start> <image>*n <vision_end>`` with ``n = t*h*w / merge**2`` and patch rows of
+``3 * temporal * patch**2`` values). The reference runs every document alone through the model's own forward (its
+own positions, its own merge) and sums the token losses; SP packs them with ``SPMultimodalCollator``, shards the
+row and sums each rank's token losses and gradients over the SP group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+VOCAB = 128
+IMG, VID, VSTART, VEND = 120, 121, 122, 123
+PATCH, TEMPORAL, MERGE = 2, 2, 2
+PATCH_DIM = 3 * TEMPORAL * PATCH * PATCH
+TOL = 1e-5
+
+
+@dataclass
+class Doc:
+    text: tuple[int, ...]  # text tokens before / between / after the media: len(media) + 1 pieces' lengths
+    media: tuple[tuple[str, tuple[int, int, int]], ...] = ()  # ("image" | "video", (t, h, w)) in token order
+    extra: dict = field(default_factory=dict)
+
+
+FAMILIES = {
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+}
+
+
+def qwen_vl_config(family: str = "qwen2_vl", layers: int = 2):
+    """A tiny random-init config of a Qwen-VL family (``FAMILIES``)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    text = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32 if family != "qwen2_vl" else 64,
+        num_heads=4,
+        patch_size=PATCH,
+        spatial_merge_size=MERGE,
+        temporal_patch_size=TEMPORAL,
+        in_channels=3,
+    )
+    if family == "qwen2_vl":
+        vision |= {"embed_dim": 32}
+    elif family.startswith("qwen3"):  # deepstack: features of both vision blocks added after text layers 0 and 1
+        text |= {"head_dim": 16}
+        text["rope_parameters"] |= {"mrope_interleaved": True}
+        vision |= {"intermediate_size": 64, "out_hidden_size": 64, "deepstack_visual_indexes": [0, 1]}
+        vision |= {"num_position_embeddings": 16}
+        if family.endswith("moe"):
+            text |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1}
+    else:  # Qwen2.5-VL: windowed vision blocks, out_hidden_size the text width
+        vision |= {"intermediate_size": 64, "out_hidden_size": 64, "window_size": 8, "fullatt_block_indexes": [1]}
+    return CONFIG_MAPPING[family](
+        text_config=text,
+        vision_config=vision,
+        image_token_id=IMG,
+        video_token_id=VID,
+        vision_start_token_id=VSTART,
+        vision_end_token_id=VEND,
+    )
+
+
+def build_vlm(family: str = "qwen2_vl", seed: int = 0):
+    import transformers
+
+    from tests.harness import weak_decay  # noqa: F401 - same perturbation style as the text families
+
+    config = qwen_vl_config(family)
+    cls = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls)._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model.eval()
+
+
+def make_examples(docs: list[Doc], seed: int = 0, frames_apart: bool = False) -> list[dict]:
+    """Processor-like examples: ``input_ids``, ``labels`` and the media tensors of each document (``frames_apart``:
+    Qwen3-VL's layout, each video frame its own ``<t> <vision_start> ... <vision_end>`` run)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for doc in docs:
+        ids: list[int] = []
+        pixels = {"image": [], "video": []}
+        grids = {"image": [], "video": []}
+        for i, n in enumerate(doc.text):
+            ids += torch.randint(3, IMG, (n,), generator=g).tolist()
+            if i < len(doc.media):
+                modality, (t, h, w) = doc.media[i]
+                token = IMG if modality == "image" else VID
+                runs = t if frames_apart and modality == "video" else 1
+                for _ in range(runs):
+                    stamp = [int(torch.randint(3, IMG, (1,), generator=g))] if runs > 1 else []
+                    ids += stamp + [VSTART] + [token] * (t // runs * h * w // MERGE**2) + [VEND]
+                pixels[modality].append(torch.randn(t * h * w, PATCH_DIM, generator=g))
+                grids[modality].append(torch.tensor([[t, h, w]]))
+        example = {"input_ids": torch.tensor(ids)}
+        if pixels["image"]:
+            example |= {"pixel_values": torch.cat(pixels["image"]), "image_grid_thw": torch.cat(grids["image"])}
+        if pixels["video"]:
+            example |= {"pixel_values_videos": torch.cat(pixels["video"]), "video_grid_thw": torch.cat(grids["video"])}
+        out.append(example)
+    return out
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
+
+
+def reference(model, examples: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
+    """Every document alone through the model's own forward (its own mrope positions and merge): summed token losses."""
+    from hf_sp_trainer.collators.multimodal import MODALITY_TYPE
+
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for ex in examples:
+        ids = ex["input_ids"][None]
+        types = torch.zeros_like(ids)
+        types[ids == IMG], types[ids == VID] = MODALITY_TYPE["image"], MODALITY_TYPE["video"]
+        media = {k: v for k, v in ex.items() if k != "input_ids"}
+        out = model(input_ids=ids, mm_token_type_ids=types, **media)
+        labels = F.pad(ids[:, 1:], (0, 1), value=-100)
+        total = total + F.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    total.backward()
+    return total.item(), _grads(model)
+
+
+def sp_run(model, sp, batch: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    """The packed row under SP: each rank's token-loss sum, loss and gradients summed over the SP group."""
+    import torch.distributed as dist
+
+    model.zero_grad(set_to_none=True)
+    shard = sp.shard_batch(batch)
+    shift = shard.pop("shift_labels")
+    shard.pop("labels")
+    out = model(**shard)
+    loss = F.cross_entropy(out.logits.flatten(0, 1), shift.flatten(), reduction="sum")
+    loss.backward()
+    group = sp.topology.sp_group
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    grads = _grads(model)
+    flat = torch.cat([g.flatten() for g in grads.values()])
+    dist.all_reduce(flat, group=group)
+    out_grads, i = {}, 0
+    for name, g in grads.items():
+        out_grads[name] = flat[i : i + g.numel()].view_as(g)
+        i += g.numel()
+    return total.item(), out_grads
+
+
+def worst_error(ref: tuple[float, dict], got: tuple[float, dict]) -> tuple[float, str]:
+    """Loss relative error, and each gradient's ``||d|| / max(||g||, 1e-3 x typical norm)``: the worst and where."""
+    worst, where = abs(got[0] - ref[0]) / abs(ref[0]), "loss"
+    norms = {n: g.norm().item() for n, g in ref[1].items()}
+    floor = 1e-3 * (sum(v * v for v in norms.values()) / len(norms)) ** 0.5
+    for name, g in ref[1].items():
+        err = (got[1][name] - g).norm().item() / max(norms[name], floor)
+        if err > worst:
+            worst, where = err, name
+    return worst, where
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the kernel-level matrix: one spawned group runs every case
+# ----------------------------------------------------------------------------------------------------------------
+LAYOUTS = {
+    # an image opens the row; a text-only document; an image straddling the sp-2 boundary, then a video
+    "mixed": [
+        Doc((0, 5), (("image", (1, 4, 4)),)),
+        Doc((7,)),
+        Doc((2, 3, 2), (("image", (1, 4, 6)), ("video", (2, 4, 4)))),
+    ],
+    # lengths that need SP's padding document; two images in one document, one a single token
+    "padded": [Doc((4, 1, 3), (("image", (1, 2, 2)), ("image", (1, 4, 4)))), Doc((9, 3), (("video", (2, 2, 4)),))],
+}
+
+
+@dataclass
+class Case:
+    family: str
+    layout: str
+    ring: int | None = None
+    frozen: bool = False  # the vision tower frozen: encoded under no_grad, only the decoder trains
+
+    @property
+    def name(self) -> str:
+        ring = f"_ring{self.ring}" if self.ring else ""
+        return f"{self.family}_{self.layout}{ring}{'_frozen' if self.frozen else ''}"
+
+
+def run_case(case: Case, sp_size: int) -> dict:
+    from hf_sp_trainer import SPMultimodalCollator, apply_sequence_parallel
+
+    model = build_vlm(case.family)
+    if case.frozen:
+        model.model.visual.requires_grad_(False)
+    examples = make_examples(LAYOUTS[case.layout], frames_apart=case.family.startswith("qwen3"))
+    ref = reference(model, examples)
+    batch = SPMultimodalCollator(model)(examples)
+    with apply_sequence_parallel(model, sp_size, ring_size=case.ring) as sp:
+        got = sp_run(model, sp, batch)
+    worst, where = worst_error(ref, got)
+    return {"error": worst, "where": where, "length": batch["input_ids"].shape[1], "params": len(ref[1])}
+
+
+def run_matrix(cases: list[Case], sp_size: int) -> dict[str, dict]:
+    import torch.distributed as dist
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    dist.init_process_group("gloo")
+    return {case.name: run_case(case, sp_size) for case in cases}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Trainer level: SPTrainer against plain Trainer on one process, one padded row per document
+# ----------------------------------------------------------------------------------------------------------------
+def pad_rows(features: list[dict]) -> dict[str, torch.Tensor]:
+    """The reference collator: one right-padded row per document, the model computes its own positions."""
+    from hf_sp_trainer.collators.multimodal import MEDIA_KEYS, MODALITY_TYPE
+
+    width = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, f in enumerate(features):
+        ids[i, : len(f["input_ids"])] = f["input_ids"]
+        mask[i, : len(f["input_ids"])] = 1
+    types = torch.zeros_like(ids)
+    types[ids == IMG], types[ids == VID] = MODALITY_TYPE["image"], MODALITY_TYPE["video"]
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    batch["mm_token_type_ids"] = types
+    for key in MEDIA_KEYS:
+        values = [f[key] for f in features if f.get(key) is not None]
+        if values:
+            batch[key] = torch.cat(values)
+    return batch
+
+
+TRAIN_DOCS = [
+    Doc((3, 4), (("image", (1, 4, 4)),)),
+    Doc((6,)),
+    Doc((2, 3, 2), (("image", (1, 4, 6)), ("video", (2, 4, 4)))),
+    Doc((0, 8), (("image", (1, 2, 4)),)),
+    Doc((5, 5), (("video", (2, 2, 2)),)),
+    Doc((11,)),
+    Doc((1, 2), (("image", (1, 4, 4)),)),
+    Doc((4, 3), (("image", (1, 2, 2)),)),
+]
+
+
+def train_vlm(family: str, sp_size: int, ring: int | None, out_dir: str, steps: int = 2, ga: int = 2) -> dict:
+    """Train ``steps`` SGD steps (4 documents per micro-batch, ``ga`` micro-batches a step): plain ``Trainer`` on one
+    process with ``pad_rows`` (``sp_size=1``), else ``SPTrainer`` with its default (multimodal packing) collator."""
+    import torch.distributed as dist
+    import transformers
+
+    from hf_sp_trainer import SPTrainer, TrainingArguments
+    from tests.harness import full_parameters, logged_steps, quiet_args
+
+    model = build_vlm(family)
+    examples = make_examples(TRAIN_DOCS, frames_apart=family.startswith("qwen3"))
+    common = dict(
+        quiet_args(out_dir, steps),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=ga,
+        optim="sgd",
+        learning_rate=0.5,
+        lr_scheduler_type="constant",
+        remove_unused_columns=False,
+        dataloader_drop_last=False,
+    )
+    if sp_size == 1:
+        args = transformers.TrainingArguments(**common)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=examples, data_collator=pad_rows)
+    else:
+        args = TrainingArguments(**common, sp_size=sp_size, sp_ring_size=ring)
+        trainer = SPTrainer(model=model, args=args, train_dataset=examples)
+    trainer.train()
+    logs = logged_steps(trainer)
+    params = full_parameters(model)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    return {"losses": [x for x, _ in logs], "grad_norms": [g for _, g in logs], "params": params if rank0 else None}

@@ -1,0 +1,214 @@
+"""Vision-language models under SP against each document run alone through the model's own forward (its own
+positions and merge): loss and every gradient, the vision tower's included, at sp 2 and 4, Ulysses and ring; the
+Trainer against plain ``Trainer``; the refusals and bad inputs."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+from tests.harness import run_distributed, unwrap_results
+from tests.multimodal_harness import (
+    IMG,
+    LAYOUTS,
+    TOL,
+    Case,
+    build_vlm,
+    make_examples,
+    run_matrix,
+    train_vlm,
+)
+
+SP2 = [
+    Case("qwen2_vl", "mixed"),
+    Case("qwen2_vl", "padded"),
+    Case("qwen2_vl", "mixed", ring=2),
+    Case("qwen2_vl", "mixed", frozen=True),
+    Case("qwen2_5_vl", "mixed"),
+    Case("qwen2_5_vl", "padded", ring=2),
+    Case("qwen3_vl", "mixed"),
+    Case("qwen3_vl_moe", "padded"),
+]
+SP4 = [Case("qwen2_vl", "mixed", ring=2), Case("qwen2_5_vl", "padded"), Case("qwen3_vl", "mixed", ring=2)]
+
+
+@pytest.fixture(scope="module")
+def sp2_results() -> dict[str, dict]:
+    return unwrap_results(run_distributed(2, run_matrix, SP2, 2))[0]
+
+
+@pytest.fixture(scope="module")
+def sp4_results() -> dict[str, dict]:
+    return unwrap_results(run_distributed(4, run_matrix, SP4, 4))[0]
+
+
+@pytest.mark.parametrize("case", SP2, ids=lambda c: c.name)
+def test_vlm_sp2_matches_each_document_alone(case: Case, sp2_results: dict) -> None:
+    result = sp2_results[case.name]
+    assert result["error"] <= TOL, f"{case.name}: {result['error']:.2e} at {result['where']}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SP4, ids=lambda c: c.name)
+def test_vlm_sp4_matches_each_document_alone(case: Case, sp4_results: dict) -> None:
+    result = sp4_results[case.name]
+    assert result["error"] <= TOL, f"{case.name}: {result['error']:.2e} at {result['where']}"
+
+
+def test_layouts_cover_the_hard_places() -> None:
+    """The "mixed" row opens with an image and has an image run across the sp-2 boundary; "padded" needs SP's padding
+    document at sp 2 and 4."""
+    from hf_sp_trainer import SPMultimodalCollator
+
+    model = build_vlm("qwen2_vl")
+    mixed = SPMultimodalCollator(model)(make_examples(LAYOUTS["mixed"]))["input_ids"][0]
+    half = len(mixed) // 2 + len(mixed) % 2
+    assert mixed[1] == IMG and mixed[half - 1] == IMG and mixed[half] == IMG, mixed.tolist()
+    padded = SPMultimodalCollator(model)(make_examples(LAYOUTS["padded"]))["input_ids"]
+    assert padded.shape[1] % 4 and padded.shape[1] % 2, padded.shape
+
+
+def _sp_trainer_job(family: str, sp_size: int, ring: int | None) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        return train_vlm(family, sp_size, ring, out)
+
+
+@pytest.mark.parametrize(
+    "family,sp_size,ring",
+    [("qwen2_vl", 2, None), pytest.param("qwen3_vl", 4, 2, marks=pytest.mark.slow)],
+    ids=["qwen2_vl_sp2_ga2", "qwen3_vl_sp4_ring2_ga2"],
+)
+def test_sp_trainer_matches_trainer(family: str, sp_size: int, ring: int | None) -> None:
+    """``SPTrainer`` (default collator: multimodal packing) against plain ``Trainer`` on one process with one padded
+    row per document: per-step loss and grad_norm, and the weights after two SGD steps of two micro-batches each
+    (Qwen-VL sets ``accepts_loss_kwargs = False``: the Trainer's per-micro-batch mean, reproduced under SP)."""
+    with tempfile.TemporaryDirectory() as out:
+        ref = train_vlm(family, 1, None, out)
+    got = unwrap_results(run_distributed(sp_size, _sp_trainer_job, family, sp_size, ring))[0]
+    for key in ("losses", "grad_norms"):
+        assert len(got[key]) == len(ref[key]) == 2
+        for a, b in zip(got[key], ref[key], strict=True):
+            assert abs(a - b) <= TOL * abs(b), (key, got[key], ref[key])
+    diff = sum(float((got["params"][n] - ref["params"][n]).pow(2).sum()) for n in ref["params"]) ** 0.5
+    norm = sum(float(ref["params"][n].pow(2).sum()) for n in ref["params"]) ** 0.5
+    update = sum(float((got["params"][n] - ref["params"][n]).abs().max()) for n in ref["params"])
+    assert diff / norm <= TOL and update > 0, (diff / norm, update)
+
+
+# -- bad input: a ValueError on every rank, nothing hangs --------------------------------------------------------
+def _bad_inputs() -> dict[str, str]:
+    import torch.distributed as dist
+
+    from hf_sp_trainer import SPMultimodalCollator, apply_sequence_parallel
+
+    dist.init_process_group("gloo")
+    model = build_vlm("qwen2_vl")
+    batch = SPMultimodalCollator(model)(make_examples(LAYOUTS["mixed"]))
+    out = {}
+    with apply_sequence_parallel(model, 2) as sp:
+        extra = dict(batch, input_ids=batch["input_ids"].clone())
+        extra["input_ids"][0, -2] = IMG  # one placeholder more than the images' feature rows
+        without_text_row = dict(batch, position_ids=batch["position_ids"][1:])
+        flat = dict(batch, position_ids=batch["position_ids"][0])
+        for name, bad in (("count", extra), ("no_text_row", without_text_row), ("1d_positions", flat)):
+            try:
+                shard = sp.shard_batch(bad)
+                shard.pop("labels"), shard.pop("shift_labels")
+                model(**shard)
+                out[name] = "no error"
+            except ValueError as exc:
+                out[name] = str(exc)
+    return out
+
+
+def test_bad_multimodal_inputs_raise_on_every_rank() -> None:
+    results = unwrap_results(run_distributed(2, _bad_inputs))
+    for rank in results:
+        assert "placeholder tokens but its pixel_values encode to" in rank["count"], rank["count"]
+        assert "[4, batch, seq]" in rank["no_text_row"], rank["no_text_row"]
+        assert "multimodal" in rank["1d_positions"] and "per document" in rank["1d_positions"], rank["1d_positions"]
+
+
+def test_collator_checks_placeholders_against_grids() -> None:
+    from hf_sp_trainer import SPMultimodalCollator
+
+    model = build_vlm("qwen2_vl")
+    example = make_examples(LAYOUTS["mixed"][:1])[0]
+    example["input_ids"] = torch.cat([example["input_ids"], torch.tensor([IMG])])
+    with pytest.raises(ValueError, match="5 image placeholder tokens but its image_grid_thw"):
+        SPMultimodalCollator(model)([example])
+
+
+def test_collator_positions_are_the_models_own_per_document() -> None:
+    """Each document's mrope rows are ``get_rope_index`` of it alone; the text row restarts at 0 per document."""
+    from hf_sp_trainer import SPMultimodalCollator
+    from hf_sp_trainer.collators.multimodal import MODALITY_TYPE
+
+    model = build_vlm("qwen2_5_vl")
+    examples = make_examples(LAYOUTS["mixed"])
+    positions = SPMultimodalCollator(model)(examples)["position_ids"]
+    start = 0
+    for ex in examples:
+        ids = ex["input_ids"][None]
+        n = ids.shape[1]
+        types = torch.zeros_like(ids)
+        types[ids == IMG] = MODALITY_TYPE["image"]
+        types[ids == 121] = MODALITY_TYPE["video"]
+        grids = {k: ex[k] for k in ("image_grid_thw", "video_grid_thw") if k in ex}
+        own = model.model.get_rope_index(ids, types, **grids)[0] if grids else torch.arange(n).expand(3, 1, n)
+        assert torch.equal(positions[1:, :, start : start + n], own)
+        assert torch.equal(positions[0, 0, start : start + n], torch.arange(n))
+        start += n
+
+
+def test_sharding_keeps_media_whole_and_splits_rope_rows() -> None:
+    from hf_sp_trainer import SPMultimodalCollator
+    from hf_sp_trainer.sharding import SequenceSharding
+
+    model = build_vlm("qwen2_vl")
+    batch = SPMultimodalCollator(model)(make_examples(LAYOUTS["padded"]))
+    length = batch["input_ids"].shape[1]
+    sharding = SequenceSharding(2, ring_size=2)
+    shards = [sharding.shard_batch(batch, r) for r in range(2)]
+    padded = length + (-length % 4)
+    for r, shard in enumerate(shards):
+        assert shard["position_ids"].shape == (4, 1, padded // 2)
+        assert torch.equal(shard["pixel_values"], batch["pixel_values"])
+        assert torch.equal(shard["image_grid_thw"], batch["image_grid_thw"])
+        index = sharding.positions(padded, r)
+        assert torch.equal(shard["input_ids"][0], torch.cat([batch["input_ids"][0], torch.zeros(4)]).long()[index])
+    pad_rows = shards[1]["position_ids"][:, 0, -1]
+    assert bool((pad_rows == pad_rows[0]).all())  # the padding document: every row numbers it alike
+
+
+# -- what SP refuses, and the encoders' guard ------------------------------------------------------------------
+def test_vision_tower_never_runs_sp_attention() -> None:
+    """The SP attention refuses a module outside every text decoder it was attached to (a vision block), before any
+    communication; attaching leaves the vision tower on its own kernel."""
+    from hf_sp_trainer.attention.ulysses import UlyssesAttention, _text_only
+
+    model = build_vlm("qwen2_vl")
+    assert _text_only(model, "ulysses_sp") == {"text_config": "ulysses_sp", "vision_config": "sdpa"}
+    block = model.model.visual.blocks[0].attn
+    q = torch.zeros(1, 4, 8, 8)
+    with pytest.raises(RuntimeError, match="not part of a text decoder"):
+        UlyssesAttention(None, None, "sdpa")(block, q, q, q, None)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "paligemma", "llama4"])
+def test_refused_vlms(family: str) -> None:
+    """Families whose text attention depends on what the shard doesn't hold: Gemma3 / PaliGemma's bidirectional
+    image mask, Llama-4's chunked attention and NoPE temperature by row index."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    from hf_sp_trainer.multimodal import check_multimodal
+
+    cls = getattr(transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[family])
+    with torch.device("meta"):
+        model = cls(CONFIG_MAPPING[family]())
+    with pytest.raises(ValueError, match="Use sp_size=1"):
+        check_multimodal(model, 2)
