@@ -33,7 +33,36 @@ FAMILIES = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",  # 1-D positions: a CLIP tower and a Llama decoder
 }
+LLAVA_IMAGE, LLAVA_PATCH = 8, 2  # 16 patches, each image 16 placeholder tokens (the CLS feature dropped)
+
+
+def llava_config():
+    from transformers import LlavaConfig
+
+    vision = dict(
+        model_type="clip_vision_model",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=LLAVA_IMAGE,
+        patch_size=LLAVA_PATCH,
+    )
+    text = dict(
+        model_type="llama",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMG, image_seq_length=16)
 
 
 def qwen_vl_config(family: str = "qwen2_vl", layers: int = 2):
@@ -87,7 +116,7 @@ def build_vlm(family: str = "qwen2_vl", seed: int = 0):
 
     from tests.harness import weak_decay  # noqa: F401 - same perturbation style as the text families
 
-    config = qwen_vl_config(family)
+    config = llava_config() if family == "llava" else qwen_vl_config(family)
     cls = FAMILIES[family]
     torch.manual_seed(seed)
     model = getattr(transformers, cls)._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
@@ -97,9 +126,11 @@ def build_vlm(family: str = "qwen2_vl", seed: int = 0):
     return model.eval()
 
 
-def make_examples(docs: list[Doc], seed: int = 0, frames_apart: bool = False) -> list[dict]:
-    """Processor-like examples: ``input_ids``, ``labels`` and the media tensors of each document (``frames_apart``:
-    Qwen3-VL's layout, each video frame its own ``<t> <vision_start> ... <vision_end>`` run)."""
+def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> list[dict]:
+    """Processor-like examples: ``input_ids`` and the media tensors of each document, laid out as the family's
+    processor does (Qwen3-VL: each video frame its own ``<t> <vision_start> ... <vision_end>`` run; LLaVA: a whole
+    image per medium)."""
+    frames_apart = family.startswith("qwen3")
     g = torch.Generator().manual_seed(seed)
     out = []
     for doc in docs:
@@ -110,6 +141,10 @@ def make_examples(docs: list[Doc], seed: int = 0, frames_apart: bool = False) ->
             ids += torch.randint(3, IMG, (n,), generator=g).tolist()
             if i < len(doc.media):
                 modality, (t, h, w) = doc.media[i]
+                if family == "llava":  # a whole image per item, 16 placeholders (no start / end tokens)
+                    ids += [IMG] * (LLAVA_IMAGE // LLAVA_PATCH) ** 2
+                    pixels["image"].append(torch.randn(1, 3, LLAVA_IMAGE, LLAVA_IMAGE, generator=g))
+                    continue
                 token = IMG if modality == "image" else VID
                 runs = t if frames_apart and modality == "video" else 1
                 for _ in range(runs):
@@ -118,7 +153,10 @@ def make_examples(docs: list[Doc], seed: int = 0, frames_apart: bool = False) ->
                 pixels[modality].append(torch.randn(t * h * w, PATCH_DIM, generator=g))
                 grids[modality].append(torch.tensor([[t, h, w]]))
         example = {"input_ids": torch.tensor(ids)}
-        if pixels["image"]:
+        if family == "llava":
+            if pixels["image"]:
+                example["pixel_values"] = torch.cat(pixels["image"])
+        elif pixels["image"]:
             example |= {"pixel_values": torch.cat(pixels["image"]), "image_grid_thw": torch.cat(grids["image"])}
         if pixels["video"]:
             example |= {"pixel_values_videos": torch.cat(pixels["video"]), "video_grid_thw": torch.cat(grids["video"])}
@@ -145,7 +183,9 @@ def reference(model, examples: list[dict]) -> tuple[float, dict[str, torch.Tenso
         types = torch.zeros_like(ids)
         types[ids == IMG], types[ids == VID] = MODALITY_TYPE["image"], MODALITY_TYPE["video"]
         media = {k: v for k, v in ex.items() if k != "input_ids"}
-        out = model(input_ids=ids, mm_token_type_ids=types, **media)
+        if hasattr(model.model, "get_rope_index"):  # its own mrope positions need the token types
+            media["mm_token_type_ids"] = types
+        out = model(input_ids=ids, **media)
         labels = F.pad(ids[:, 1:], (0, 1), value=-100)
         total = total + F.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), reduction="sum")
     total.backward()
@@ -222,7 +262,7 @@ def run_case(case: Case, sp_size: int) -> dict:
     model = build_vlm(case.family)
     if case.frozen:
         model.model.visual.requires_grad_(False)
-    examples = make_examples(LAYOUTS[case.layout], frames_apart=case.family.startswith("qwen3"))
+    examples = make_examples(LAYOUTS[case.layout], case.family)
     ref = reference(model, examples)
     batch = SPMultimodalCollator(model)(examples)
     with apply_sequence_parallel(model, sp_size, ring_size=case.ring) as sp:
@@ -286,7 +326,7 @@ def train_vlm(family: str, sp_size: int, ring: int | None, out_dir: str, steps: 
     from tests.harness import full_parameters, logged_steps, quiet_args
 
     model = build_vlm(family)
-    examples = make_examples(TRAIN_DOCS, frames_apart=family.startswith("qwen3"))
+    examples = make_examples(TRAIN_DOCS, family)
     common = dict(
         quiet_args(out_dir, steps),
         per_device_train_batch_size=4,

@@ -30,8 +30,15 @@ SP2 = [
     Case("qwen2_5_vl", "padded", ring=2),
     Case("qwen3_vl", "mixed"),
     Case("qwen3_vl_moe", "padded"),
+    Case("llava", "mixed"),
+    Case("llava", "padded", ring=2),
 ]
-SP4 = [Case("qwen2_vl", "mixed", ring=2), Case("qwen2_5_vl", "padded"), Case("qwen3_vl", "mixed", ring=2)]
+SP4 = [
+    Case("qwen2_vl", "mixed", ring=2),
+    Case("qwen2_5_vl", "padded"),
+    Case("qwen3_vl", "mixed", ring=2),
+    Case("llava", "padded"),
+]
 
 
 @pytest.fixture(scope="module")
