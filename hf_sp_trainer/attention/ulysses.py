@@ -33,7 +33,7 @@ ULYSSES_KEY = "ulysses_sp"  # must contain neither "flash" nor "sdpa": those tri
 VARLEN_KEY = "varlen"  # torch's own varlen flash attention (CUDA): one kernel call per layer for all documents
 BOUNDS_KWARG = "sp_document_bounds"  # passed by the decoder pre-hook down to every attention call
 _HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> its gathering pre-hook
-_DECODER_MODULES: weakref.WeakSet = weakref.WeakSet()  # every module of every text decoder SP was attached to
+DECODER_MARK = "_hf_sp_text_decoder"  # set on every module of a text decoder SP is attached to (survives deepcopy)
 
 
 class _KVGroupsView:
@@ -173,7 +173,7 @@ class UlyssesAttention:
 
     # -- the attention function -------------------------------------------------------------------------------
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
-        if module not in _DECODER_MODULES:  # e.g. a VLM's vision tower reached through a shared sub-config key
+        if not getattr(module, DECODER_MARK, False):  # e.g. a VLM's vision tower reached by a shared sub-config key
             raise RuntimeError(
                 f"SP attention was called by {type(module).__name__}, which is not part of a text decoder SP was "
                 "attached to; encoders must keep their own attention kernel."
@@ -243,7 +243,8 @@ class UlyssesAttention:
         AttentionInterface.register(ULYSSES_KEY, _ContiguousOutput(self))
         model.set_attn_implementation(_text_only(model, ULYSSES_KEY))
         decoder = _decoder(model)
-        _DECODER_MODULES.update(text_decoder(model).modules())
+        for m in text_decoder(model).modules():
+            setattr(m, DECODER_MARK, True)
         if decoder in _HOOKS:  # attached before (e.g. a second trainer on the same model): replace the old hook
             _HOOKS[decoder].remove()
         _HOOKS[decoder] = decoder.register_forward_pre_hook(self._before_forward, with_kwargs=True)
