@@ -68,13 +68,14 @@ def micro_batch_loss(trainer: Any, compute_loss: Callable, model, inputs: dict, 
     """Training loss under SP for a model the Trainer averages per micro-batch (``accepts_loss_kwargs = False``):
     this rank's token-loss sum over the whole SP group's token count, times ``sp_size`` (the gradient average over
     the SP group divides it back); the Trainer then divides by the accumulation steps as it does on one device."""
-    group = trainer.sp.topology.sp_group
+    topo = trainer.sp.topology
     count = (inputs["shift_labels"] != IGNORE_INDEX).sum()
-    dist.all_reduce(count, group=group)
-    inputs = {**inputs, "num_items_in_batch": count.clamp(min=1)}
-    result = compute_loss(model, inputs, return_outputs, None)
+    dist.all_reduce(count, group=topo.sp_group)
+    count = count.clamp(min=1)
+    result = compute_loss(model, {**inputs, "num_items_in_batch": count}, return_outputs, num_items_in_batch=count)
     loss, outputs = result if return_outputs else (result, None)
-    loss = loss * trainer.sp.topology.sp_size
+    # x world (dp x sp) by the base trainer, or nothing: either way x sp in the end
+    loss = loss / topo.dp_size if trainer.sp_loss_scaled_by_world() else loss * topo.sp_size
     return (loss, outputs) if return_outputs else loss
 
 
@@ -88,7 +89,7 @@ def sp_eval_loss(trainer: Any, compute_loss: Callable, model, inputs: dict, retu
         inputs = {**inputs, "num_items_in_batch": count.clamp(min=1)}
     result = compute_loss(model, inputs, return_outputs, num_items_in_batch=count.clamp(min=1))
     loss, outputs = result if return_outputs else (result, None)
-    if trainer.args.average_tokens_across_devices and trainer.model_accepts_loss_kwargs:  # undo the Trainer's x DDP
+    if trainer.sp_loss_scaled_by_world():  # undo the base trainer's x DDP: this loss is not backpropagated
         loss = loss / (trainer.accelerator.num_processes // trainer.get_tp_size())
     loss = loss.detach().clone()
     dist.all_reduce(loss, group=group)

@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import trl
-from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+from trl.trainer.sft_trainer import DataCollatorForLanguageModeling, DataCollatorForVisionLanguageModeling
 
 from .arguments import SequenceParallelArguments
+from .collators.multimodal import SPMultimodalCollator, SPVisionSFTCollator
 from .memory import MemoryArguments
-from .trainer import SequenceParallelMixin
+from .trainer import SequenceParallelMixin, unwrap_model
 
 
 @dataclass
@@ -36,6 +37,9 @@ class SPSFTTrainer(SequenceParallelMixin, trl.SFTTrainer):
 
     sp_fuses_lm_loss = True  # TRL's nll/dft loss runs a fused LM head already
 
+    def sp_loss_scaled_by_world(self) -> bool:
+        return bool(self.args.average_tokens_across_devices)  # TRL scales whenever it is given num_items_in_batch
+
     def sp_default_collator(self, processing_class):
         return None  # TRL's own collator, made padding-free in sp_after_init
 
@@ -44,8 +48,15 @@ class SPSFTTrainer(SequenceParallelMixin, trl.SFTTrainer):
         if isinstance(collator, DataCollatorForLanguageModeling):
             # One flat row per batch. Not through args.padding_free: TRL would then skip truncating at max_length.
             collator.padding_free = True
+        elif isinstance(collator, DataCollatorForVisionLanguageModeling):
+            # TRL's processing per example, then one packed row (TRL itself refuses packing for vision datasets)
+            packer = SPMultimodalCollator(unwrap_model(self.model))
+            self.data_collator = SPVisionSFTCollator(collator, packer)
         elif self._is_vision_dataset:
-            raise ValueError("Sequence parallelism (sp_size > 1) does not support vision datasets yet.")
+            raise ValueError(
+                f"Sequence parallelism (sp_size > 1) with a vision dataset needs TRL's vision collator; got "
+                f"{type(collator).__name__}."
+            )
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss; under SP with the MoE router loss on, TRL's shard-local aux term is replaced by the exact one.

@@ -62,12 +62,10 @@ class SequenceParallelMixin:
             if model is None:
                 raise ValueError("Sequence parallelism (sp_size > 1) needs a model; model_init is not supported.")
             if bound.arguments.get("data_collator") is None:
-                plain = unwrap_model(model)
-                bound.arguments["data_collator"] = (
-                    SPMultimodalCollator(plain)  # positions per document, media kept in token order
-                    if is_multimodal(plain)
-                    else self.sp_default_collator(bound.arguments.get("processing_class"))
-                )
+                collator = self.sp_default_collator(bound.arguments.get("processing_class"))
+                if collator is not None and is_multimodal(unwrap_model(model)):  # per-document positions, media
+                    collator = SPMultimodalCollator(unwrap_model(model))
+                bound.arguments["data_collator"] = collator
         with hidden_from_base_trainer(training_args):  # memory-stack flags a TRL trainer would act on itself
             super().__init__(*bound.args, **bound.kwargs)
         teardown.register_exit_hook()  # a script that ends without trainer.end() still exits cleanly (sp_size 1 too)
@@ -100,6 +98,12 @@ class SequenceParallelMixin:
 
     def sp_after_init(self) -> None:
         """Adjust what the base trainer built in ``__init__`` for SP (before the model is made sequence-parallel)."""
+
+    def sp_loss_scaled_by_world(self) -> bool:
+        """Whether the base trainer's ``compute_loss``, given ``num_items_in_batch``, multiplies the loss by the
+        number of processes (``Trainer``: only for models that take the loss kwargs)."""
+        accepts = self.model_accepts_loss_kwargs or self.compute_loss_func is not None
+        return bool(self.args.average_tokens_across_devices and accepts)
 
     def create_accelerator_and_postprocess(self):
         with cpu_backend.accelerator_setup(self):  # FSDP2 / DeepSpeed over gloo on CPU-only machines

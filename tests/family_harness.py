@@ -103,13 +103,10 @@ class Family:
 def families() -> list[Family]:
     """Every causal-LM model type of the installed transformers, with the reason when it is out of scope."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-    )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
     out = []
-    for model_type, class_name in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
+    for model_type, class_name in sorted(_causal_lms().items()):
         config_cls = CONFIG_MAPPING[model_type]
         sub_configs = getattr(config_cls, "sub_configs", {}) or {}
         subs = sorted(k for k in sub_configs if any(w in k for w in OUT_OF_SCOPE_SUBCONFIG))
@@ -122,6 +119,25 @@ def families() -> list[Family]:
             reason = "an encoder (masked LM) used as a decoder"
         out.append(Family(model_type, class_name, reason))
     return out
+
+
+def _causal_lms() -> dict[str, str]:
+    """``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, plus the text-only causal LMs listed only among the image-text-to-text
+    models (Mistral4: a config without sub-configs, a ``...ForCausalLM`` class)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    extra = {
+        t: c
+        for t, c in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.items()
+        if t not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        and c.endswith("ForCausalLM")
+        and not getattr(CONFIG_MAPPING[t], "sub_configs", None)
+    }
+    return {**MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, **extra}
 
 
 def _default(config_cls, name: str):

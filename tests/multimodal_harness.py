@@ -33,6 +33,7 @@ FAMILIES = {
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",  # hybrid: Gated DeltaNet + attention layers
     "llava": "LlavaForConditionalGeneration",  # 1-D positions: a CLIP tower and a Llama decoder
 }
 LLAVA_IMAGE, LLAVA_PATCH = 8, 2  # 16 patches, each image 16 placeholder tokens (the CLS feature dropped)
@@ -92,6 +93,12 @@ def qwen_vl_config(family: str = "qwen2_vl", layers: int = 2):
     )
     if family == "qwen2_vl":
         vision |= {"embed_dim": 32}
+    elif family == "qwen3_5":
+        text |= {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"]}
+        text |= {"linear_num_key_heads": 2, "linear_num_value_heads": 4}
+        text |= {"linear_key_head_dim": 16, "linear_value_head_dim": 16}
+        text["rope_parameters"] |= {"mrope_interleaved": True, "partial_rotary_factor": 1.0}
+        vision |= {"intermediate_size": 64, "out_hidden_size": 64, "num_position_embeddings": 16}
     elif family.startswith("qwen3"):  # deepstack: features of both vision blocks added after text layers 0 and 1
         text |= {"head_dim": 16}
         text["rope_parameters"] |= {"mrope_interleaved": True}
@@ -114,7 +121,7 @@ def qwen_vl_config(family: str = "qwen2_vl", layers: int = 2):
 def build_vlm(family: str = "qwen2_vl", seed: int = 0):
     import transformers
 
-    from tests.harness import weak_decay  # noqa: F401 - same perturbation style as the text families
+    from tests.harness import weak_decay
 
     config = llava_config() if family == "llava" else qwen_vl_config(family)
     cls = FAMILIES[family]
@@ -123,6 +130,7 @@ def build_vlm(family: str = "qwen2_vl", seed: int = 0):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
+    weak_decay(model)  # hybrids: a state that reaches across the shards
     return model.eval()
 
 
@@ -316,9 +324,12 @@ TRAIN_DOCS = [
 ]
 
 
-def train_vlm(family: str, sp_size: int, ring: int | None, out_dir: str, steps: int = 2, ga: int = 2) -> dict:
-    """Train ``steps`` SGD steps (4 documents per micro-batch, ``ga`` micro-batches a step): plain ``Trainer`` on one
-    process with ``pad_rows`` (``sp_size=1``), else ``SPTrainer`` with its default (multimodal packing) collator."""
+def train_vlm(
+    family: str, sp_size: int, ring: int | None, out_dir: str, steps: int = 3, ga: int = 2, lora: bool = False
+) -> dict:
+    """Train ``steps`` SGD steps (4 documents per micro-batch and data-parallel rank, ``ga`` micro-batches a step):
+    plain ``Trainer`` with ``pad_rows`` (``sp_size=1``: one process, or DDP where spawned), else ``SPTrainer`` with its
+    default (multimodal packing) collator. ``lora``: LoRA on the decoder's q/v projections, the tower frozen."""
     import torch.distributed as dist
     import transformers
 
@@ -326,6 +337,11 @@ def train_vlm(family: str, sp_size: int, ring: int | None, out_dir: str, steps: 
     from tests.harness import full_parameters, logged_steps, quiet_args
 
     model = build_vlm(family)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        targets = r"model\.language_model\..*\.(q_proj|v_proj)"  # the decoder's only: the tower stays frozen
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
     examples = make_examples(TRAIN_DOCS, family)
     common = dict(
         quiet_args(out_dir, steps),
@@ -343,6 +359,156 @@ def train_vlm(family: str, sp_size: int, ring: int | None, out_dir: str, steps: 
     else:
         args = TrainingArguments(**common, sp_size=sp_size, sp_ring_size=ring)
         trainer = SPTrainer(model=model, args=args, train_dataset=examples)
+    trainer.train()
+    logs = logged_steps(trainer)
+    params = full_parameters(model)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    return {"losses": [x for x, _ in logs], "grad_norms": [g for _, g in logs], "params": params if rank0 else None}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the VLM table of docs/models.md
+# ----------------------------------------------------------------------------------------------------------------
+def classify_vlms(sp_size: int = 2) -> list[tuple[str, str, str, str]]:
+    """``(model type, class, status, reason)`` for every image-text-to-text model type of the installed transformers:
+    its default config built on the meta device and put through ``validate_model_for_sp`` (no collective, no
+    weights). *exact*: accepted, which only the families proven in this file's matrix are; *refused*: the error."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    from transformers.utils import logging
+
+    from hf_sp_trainer.attention.ulysses import validate_model_for_sp
+    from hf_sp_trainer.multimodal import is_multimodal
+
+    verbosity = logging.get_verbosity()
+    logging.set_verbosity_error()
+    rows = []
+    try:
+        for model_type, class_name in sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.items()):
+            try:
+                with torch.device("meta"):
+                    model = getattr(transformers, class_name)(CONFIG_MAPPING[model_type]())
+            except Exception as exc:  # noqa: BLE001 - listed, not hidden
+                rows.append((model_type, class_name, "can't build", _first_line(exc)))
+                continue
+            if not is_multimodal(model):
+                continue  # a text-only causal LM (Mistral4): in the causal-LM table
+            try:
+                validate_model_for_sp(model, sp_size)
+                rows.append((model_type, class_name, "exact", "tests/test_multimodal.py"))
+            except ValueError as exc:
+                rows.append((model_type, class_name, "refused", _first_line(exc)))
+    finally:
+        logging.set_verbosity(verbosity)
+    return rows
+
+
+def _first_line(exc: BaseException) -> str:
+    if isinstance(exc, KeyError):  # a default config missing a key the modeling code looks up (in set order)
+        return "KeyError: the default config lacks a key its modeling code looks up"
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300].replace("|", "\\|")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# TRL's vision SFT format: a LLaVA processor built offline, messages + images
+# ----------------------------------------------------------------------------------------------------------------
+VISION_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}<|assistant|>{% generation %}"
+    "{% for c in message['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}"
+    "</s>{% endgeneration %}"
+    "{% else %}<|{{ message['role'] }}|>"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<image>"
+    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}</s>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def llava_processor():
+    """``LlavaProcessor`` without the hub: the project's character tokenizer plus ``<image>`` (id ``IMG``), a PIL
+    CLIP image processor for 8x8 images and a chat template with generation markers."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlavaProcessor, PreTrainedTokenizerFast
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    from hf_sp_trainer.data.tokenizer import SPECIAL_TOKENS
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + sorted(set(string.printable)))} | {"<image>": IMG}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        additional_special_tokens=[*SPECIAL_TOKENS[4:], "<image>"],
+    )
+    size = {"shortest_edge": LLAVA_IMAGE}
+    images = CLIPImageProcessorPil(size=size, crop_size={"height": LLAVA_IMAGE, "width": LLAVA_IMAGE})
+    return LlavaProcessor(
+        image_processor=images,
+        tokenizer=tokenizer,
+        chat_template=VISION_TEMPLATE,
+        patch_size=LLAVA_PATCH,
+        vision_feature_select_strategy="default",
+        image_token="<image>",
+        num_additional_image_tokens=1,
+    )
+
+
+def vision_sft_rows(n: int = 8, seed: int = 0) -> list[dict]:
+    """TRL's conversational vision format: ``messages`` (an image placeholder in the user turn) and ``images``."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        images = [Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)) for _ in range(i % 3)]
+        question = "".join(rng.choice(list("abcdefgh "), 3 + 2 * i))
+        answer = "".join(rng.choice(list("xyz uvw"), 4 + (5 * i) % 11))
+        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
+        messages = [
+            {"role": "user", "content": content},
+            {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+        ]
+        rows.append({"messages": messages, "images": images})
+    return rows
+
+
+def sft_vlm(sp_size: int, out_dir: str, steps: int = 3, assistant_only: bool = False) -> dict:
+    """Three SGD steps of TRL SFT on the vision rows: ``trl.SFTTrainer`` (``sp_size=1``) or ``SPSFTTrainer``."""
+    import torch.distributed as dist
+    import trl
+    from datasets import Dataset
+
+    from hf_sp_trainer import SFTConfig, SPSFTTrainer
+    from tests.harness import full_parameters, logged_steps, quiet_args
+
+    model = build_vlm("llava")
+    common = dict(
+        quiet_args(out_dir, steps),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        optim="sgd",
+        learning_rate=0.5,
+        lr_scheduler_type="constant",
+        max_length=None,
+        assistant_only_loss=assistant_only,
+        bf16=False,  # TRL defaults to bf16; the equivalence is checked in fp32
+    )
+    dataset = Dataset.from_list(vision_sft_rows())
+    if sp_size == 1:
+        trainer_cls, args = trl.SFTTrainer, trl.SFTConfig(**common)
+    else:
+        trainer_cls, args = SPSFTTrainer, SFTConfig(**common, sp_size=sp_size)
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=llava_processor())
     trainer.train()
     logs = logged_steps(trainer)
     params = full_parameters(model)

@@ -102,3 +102,21 @@ class SPMultimodalCollator:
         with torch.no_grad():
             rope, _ = self._rope_index(doc["input_ids"][None], **kwargs)  # [3, 1, n]
         return torch.cat([text, rope.to(torch.long)])
+
+
+class SPVisionSFTCollator:
+    """TRL's vision collator (messages + images through the processor and its chat template, labels masked as TRL
+    masks them) applied to each example alone, then ``SPMultimodalCollator``: one padding-free row whose tokens, labels
+    and media are exactly those of TRL's padded batch."""
+
+    def __init__(self, processor_collator, packer: SPMultimodalCollator):
+        self.processor_collator, self.packer = processor_collator, packer
+
+    def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        features = []
+        for example in examples:
+            one = self.processor_collator([dict(example)])  # a copy: TRL's collator rewrites "image" in place
+            keep = one["attention_mask"][0].bool()
+            feature = {k: one[k][0][keep] for k in ("input_ids", "labels")}
+            features.append(feature | {k: one[k] for k in MEDIA_KEYS if one.get(k) is not None})
+        return self.packer(features)

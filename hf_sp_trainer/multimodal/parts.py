@@ -16,11 +16,18 @@ from transformers import PreTrainedModel
 
 MEDIA = ("image", "video")  # modalities whose features are merged at placeholder tokens
 ENCODER_CONFIG_HINTS = ("vision", "audio", "image", "video", "speech", "vq")
+# The VLM base models whose SP runs are proven exact by tests/test_multimodal.py (each has cases there; a test keeps
+# the two in step). Any other VLM is refused: the generic path may well hold for it, but unproven it could be
+# silently wrong (a merge that is not one feature row per placeholder, positions computed in the forward, ...).
+VERIFIED = frozenset(
+    {"Qwen2VLModel", "Qwen2_5_VLModel", "Qwen3VLModel", "Qwen3VLMoeModel", "Qwen3_5Model", "LlavaModel"}
+)
 
 
 def is_multimodal(model: torch.nn.Module) -> bool:
-    """A model with a text decoder beside encoders: a VLM base model holding ``language_model``."""
-    return vlm_base(model) is not None
+    """A model with encoders beside its text decoder: a VLM base model holding ``language_model``, or a config with
+    an encoder sub-config (``vision_config``, ``audio_config``, ...)."""
+    return vlm_base(model) is not None or bool(encoder_config_keys(model))
 
 
 def vlm_base(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -38,10 +45,12 @@ def text_decoder(model: torch.nn.Module) -> torch.nn.Module:
     return base.language_model if base is not None else model
 
 
-def encoder_config_keys(model: PreTrainedModel) -> list[str]:
+def encoder_config_keys(model: torch.nn.Module) -> list[str]:
     """The sub-configs of encoders (``vision_config``, ``audio_config``, ...): their attention keeps its kernel."""
-    subs = getattr(type(model.config), "sub_configs", {}) or {}
-    return sorted(k for k in subs if k != "text_config" and any(h in k for h in ENCODER_CONFIG_HINTS))
+    config = getattr(model, "config", None)
+    subs = getattr(type(config), "sub_configs", {}) or {}
+    keys = (k for k in subs if k != "text_config" and any(h in k for h in ENCODER_CONFIG_HINTS))
+    return sorted(k for k in keys if getattr(config, k, None) is not None)
 
 
 def token_ids(model: PreTrainedModel) -> dict[str, int]:
@@ -64,11 +73,16 @@ def uses_mrope(model: PreTrainedModel) -> bool:
 
 def check_multimodal(model: PreTrainedModel, sp_size: int) -> None:
     """Refuse (``ValueError``, no collective) a VLM SP can't run exactly; a no-op for text-only models."""
-    base = vlm_base(model)
-    if base is None:
+    if not is_multimodal(model):
         return
     name = type(model).__name__
     fix = f"Use sp_size=1 for this model (sp_size={sp_size})."
+    base = vlm_base(model)
+    if base is None:
+        raise ValueError(
+            f"{name} has encoders ({', '.join(encoder_config_keys(model))}) but no base model with a language_model "
+            f"and get_image_features, so SP can't run in its text decoder alone. {fix}"
+        )
     forward = inspect.signature(type(base).forward).parameters
     if "mm_encoder_outputs" not in forward:
         raise ValueError(
@@ -89,6 +103,11 @@ def check_multimodal(model: PreTrainedModel, sp_size: int) -> None:
                 f"{name}'s text decoder uses {field} (chunked attention by row index / NoPE temperature from the "
                 f"local row index): positions SP's shard doesn't see. {fix}"
             )
+    if type(base).__name__ not in VERIFIED:
+        raise ValueError(
+            f"{name}: SP for its base model {type(base).__name__} is not verified exact yet (verified: "
+            f"{', '.join(sorted(VERIFIED))}); refused rather than risk a silent difference. {fix}"
+        )
 
 
 def _bidirectional_media(base: torch.nn.Module) -> bool:
