@@ -27,7 +27,8 @@ setup(
     },
     package_data={"hf_sp_trainer.data": ["*.json"]},
     extras_require={
-        "test": ["pytest>=8", "ruff"],
+        "test": ["pytest>=8", "ruff", "pillow"],  # pillow: the vision SFT tests' images
+        "vision": ["pillow"],
         "bench": ["matplotlib"],
         "deepspeed": ["deepspeed>=0.18"],
         "liger": ["liger-kernel"],

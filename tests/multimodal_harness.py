@@ -407,6 +407,8 @@ def classify_vlms(sp_size: int = 2) -> list[tuple[str, str, str, str]]:
 def _first_line(exc: BaseException) -> str:
     if isinstance(exc, KeyError):  # a default config missing a key the modeling code looks up (in set order)
         return "KeyError: the default config lacks a key its modeling code looks up"
+    if "library but it was not found" in str(exc):  # which one depends on what this environment has installed
+        return "needs an optional library that is not installed (timm, PIL, ...)"
     text = str(exc).strip().splitlines()
     return (text[0] if text else type(exc).__name__)[:300].replace("|", "\\|")
 
