@@ -14,8 +14,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-VOCAB = 128
-IMG, VID, VSTART, VEND = 120, 121, 122, 123
+from hf_sp_trainer.data import tiny_vlm
+from hf_sp_trainer.data.tiny_vlm import tiny_llava_config, tiny_llava_processor, vision_conversations
+
+VOCAB = tiny_vlm.VOCAB
+IMG, VID, VSTART, VEND, VSTART2, VEND2 = tiny_vlm.IMAGE_TOKEN_ID, 121, 122, 123, 124, 125
 PATCH, TEMPORAL, MERGE = 2, 2, 2
 PATCH_DIM = 3 * TEMPORAL * PATCH * PATCH
 TOL = 1e-5
@@ -34,25 +37,32 @@ FAMILIES = {
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",  # hybrid: Gated DeltaNet + attention layers
+    "glm4v": "Glm4vForConditionalGeneration",  # its own mrope rules: video frames apart, timestamps between
+    "glm4v_moe": "Glm4vMoeForConditionalGeneration",
+    "glm46v": "Glm46VForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",  # 1-D positions: a CLIP tower and a Llama decoder
+    "internvl": "InternVLForConditionalGeneration",  # 1-D positions: tiles, pixel-shuffled, a Qwen2 decoder
 }
-LLAVA_IMAGE, LLAVA_PATCH = 8, 2  # 16 patches, each image 16 placeholder tokens (the CLS feature dropped)
+ONE_D = ("llava", "internvl")  # whole images (or tiles) of a fixed number of placeholders each
+LLAVA_IMAGE, LLAVA_PATCH = tiny_vlm.IMAGE_SIZE, tiny_vlm.PATCH  # the package's tiny LLaVA: 16 placeholders an image
 
 
-def llava_config():
-    from transformers import LlavaConfig
+INTERNVL_TILE = 16  # 64 patches of 2 x 2, pixel-shuffled by 0.5: 16 placeholders per tile
+
+
+def internvl_config():
+    from transformers import InternVLConfig
 
     vision = dict(
-        model_type="clip_vision_model",
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
-        image_size=LLAVA_IMAGE,
-        patch_size=LLAVA_PATCH,
+        image_size=[INTERNVL_TILE, INTERNVL_TILE],
+        patch_size=[2, 2],
     )
     text = dict(
-        model_type="llama",
+        model_type="qwen2",
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -63,7 +73,11 @@ def llava_config():
         bos_token_id=1,
         eos_token_id=2,
     )
-    return LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMG, image_seq_length=16)
+    return InternVLConfig(vision_config=vision, text_config=text, image_token_id=IMG, image_seq_length=16)
+
+
+def placeholders_per_image(family: str) -> int:
+    return (LLAVA_IMAGE // LLAVA_PATCH) ** 2 if family == "llava" else (INTERNVL_TILE // 2) ** 2 // 4
 
 
 def qwen_vl_config(family: str = "qwen2_vl", layers: int = 2):
@@ -93,6 +107,18 @@ def qwen_vl_config(family: str = "qwen2_vl", layers: int = 2):
     )
     if family == "qwen2_vl":
         vision |= {"embed_dim": 32}
+    elif family.startswith("glm4"):  # GLM-4.1V, GLM-4.5V (MoE), GLM-4.6V
+        text |= {"head_dim": 16}
+        if family == "glm4v_moe":
+            text |= {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+            text |= {"first_k_dense_replace": 1, "n_shared_experts": 1}
+            text["rope_parameters"] |= {"partial_rotary_factor": 1.0}
+        vision |= {"intermediate_size": 64, "out_hidden_size": 64, "image_size": 8}
+        starts = dict(image_start_token_id=VSTART, image_end_token_id=VEND)
+        starts |= dict(video_start_token_id=VSTART2, video_end_token_id=VEND2)
+        return CONFIG_MAPPING[family](
+            text_config=text, vision_config=vision, image_token_id=IMG, video_token_id=VID, **starts
+        )
     elif family == "qwen3_5":
         text |= {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"]}
         text |= {"linear_num_key_heads": 2, "linear_num_value_heads": 4}
@@ -123,7 +149,8 @@ def build_vlm(family: str = "qwen2_vl", seed: int = 0):
 
     from tests.harness import weak_decay
 
-    config = llava_config() if family == "llava" else qwen_vl_config(family)
+    configs = {"llava": tiny_llava_config, "internvl": internvl_config}
+    config = configs[family]() if family in configs else qwen_vl_config(family)
     cls = FAMILIES[family]
     torch.manual_seed(seed)
     model = getattr(transformers, cls)._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
@@ -135,33 +162,42 @@ def build_vlm(family: str = "qwen2_vl", seed: int = 0):
 
 
 def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> list[dict]:
-    """Processor-like examples: ``input_ids`` and the media tensors of each document, laid out as the family's
-    processor does (Qwen3-VL: each video frame its own ``<t> <vision_start> ... <vision_end>`` run; LLaVA: a whole
-    image per medium)."""
-    frames_apart = family.startswith("qwen3")
+    """Processor-like examples: ``input_ids``, ``mm_token_type_ids`` (text 0, image 1, video 2) and the media tensors
+    of each document, laid out as the family's processor does (Qwen3-VL / GLM-4V: each video frame its own
+    ``<t> <vision_start> ... <vision_end>`` run, GLM-4V's at the image token; LLaVA: a whole image per medium)."""
+    from hf_sp_trainer.collators.multimodal import MODALITY_TYPE
+
+    frames_apart = family.startswith(("qwen3", "glm4"))
     g = torch.Generator().manual_seed(seed)
     out = []
     for doc in docs:
         ids: list[int] = []
+        types: list[int] = []
         pixels = {"image": [], "video": []}
         grids = {"image": [], "video": []}
         for i, n in enumerate(doc.text):
             ids += torch.randint(3, IMG, (n,), generator=g).tolist()
+            types += [0] * (len(ids) - len(types))
             if i < len(doc.media):
                 modality, (t, h, w) = doc.media[i]
-                if family == "llava":  # a whole image per item, 16 placeholders (no start / end tokens)
-                    ids += [IMG] * (LLAVA_IMAGE // LLAVA_PATCH) ** 2
-                    pixels["image"].append(torch.randn(1, 3, LLAVA_IMAGE, LLAVA_IMAGE, generator=g))
+                if family in ONE_D:  # a whole image (LLaVA) or tile (InternVL: in <img> ... </img>) per item
+                    size = LLAVA_IMAGE if family == "llava" else INTERNVL_TILE
+                    run = [IMG] * placeholders_per_image(family)
+                    ids += run if family == "llava" else [VSTART, *run, VEND]
+                    types += [MODALITY_TYPE["image"] if x == IMG else 0 for x in ids[len(types) :]]
+                    pixels["image"].append(torch.randn(1, 3, size, size, generator=g))
                     continue
-                token = IMG if modality == "image" else VID
+                glm = family.startswith("glm4")  # GLM-4V: video frames at the image token
+                token = IMG if modality == "image" or glm else VID
                 runs = t if frames_apart and modality == "video" else 1
                 for _ in range(runs):
                     stamp = [int(torch.randint(3, IMG, (1,), generator=g))] if runs > 1 else []
                     ids += stamp + [VSTART] + [token] * (t // runs * h * w // MERGE**2) + [VEND]
+                types += [MODALITY_TYPE[modality] if x == token else 0 for x in ids[len(types) :]]
                 pixels[modality].append(torch.randn(t * h * w, PATCH_DIM, generator=g))
                 grids[modality].append(torch.tensor([[t, h, w]]))
-        example = {"input_ids": torch.tensor(ids)}
-        if family == "llava":
+        example = {"input_ids": torch.tensor(ids), "mm_token_type_ids": torch.tensor(types)}
+        if family in ONE_D:
             if pixels["image"]:
                 example["pixel_values"] = torch.cat(pixels["image"])
         elif pixels["image"]:
@@ -182,17 +218,13 @@ def _grads(model) -> dict[str, torch.Tensor]:
 
 def reference(model, examples: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
     """Every document alone through the model's own forward (its own mrope positions and merge): summed token losses."""
-    from hf_sp_trainer.collators.multimodal import MODALITY_TYPE
-
     model.zero_grad(set_to_none=True)
     total = 0.0
     for ex in examples:
         ids = ex["input_ids"][None]
-        types = torch.zeros_like(ids)
-        types[ids == IMG], types[ids == VID] = MODALITY_TYPE["image"], MODALITY_TYPE["video"]
-        media = {k: v for k, v in ex.items() if k != "input_ids"}
+        media = {k: v for k, v in ex.items() if k not in ("input_ids", "mm_token_type_ids")}
         if hasattr(model.model, "get_rope_index"):  # its own mrope positions need the token types
-            media["mm_token_type_ids"] = types
+            media["mm_token_type_ids"] = ex["mm_token_type_ids"][None]
         out = model(input_ids=ids, **media)
         labels = F.pad(ids[:, 1:], (0, 1), value=-100)
         total = total + F.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), reduction="sum")
@@ -248,6 +280,14 @@ LAYOUTS = {
     ],
     # lengths that need SP's padding document; two images in one document, one a single token
     "padded": [Doc((4, 1, 3), (("image", (1, 2, 2)), ("image", (1, 4, 4)))), Doc((9, 3), (("video", (2, 2, 4)),))],
+    # GLM-4V takes images or videos in one batch, not both: a row of each, an image / a video frame across the
+    # sp-2 boundary, a 1-token document
+    "images": [
+        Doc((0, 5), (("image", (1, 4, 4)),)),
+        Doc((1,)),
+        Doc((0, 3, 2), (("image", (1, 4, 6)), ("image", (1, 2, 2)))),
+    ],
+    "videos": [Doc((1, 2), (("video", (2, 4, 8)),)), Doc((1,)), Doc((2, 1), (("video", (2, 2, 2)),))],
 }
 
 
@@ -293,7 +333,7 @@ def run_matrix(cases: list[Case], sp_size: int) -> dict[str, dict]:
 # ----------------------------------------------------------------------------------------------------------------
 def pad_rows(features: list[dict]) -> dict[str, torch.Tensor]:
     """The reference collator: one right-padded row per document, the model computes its own positions."""
-    from hf_sp_trainer.collators.multimodal import MEDIA_KEYS, MODALITY_TYPE
+    from hf_sp_trainer.collators.multimodal import MEDIA_KEYS
 
     width = max(len(f["input_ids"]) for f in features)
     ids = torch.zeros(len(features), width, dtype=torch.long)
@@ -302,7 +342,8 @@ def pad_rows(features: list[dict]) -> dict[str, torch.Tensor]:
         ids[i, : len(f["input_ids"])] = f["input_ids"]
         mask[i, : len(f["input_ids"])] = 1
     types = torch.zeros_like(ids)
-    types[ids == IMG], types[ids == VID] = MODALITY_TYPE["image"], MODALITY_TYPE["video"]
+    for i, f in enumerate(features):
+        types[i, : len(f["input_ids"])] = f["mm_token_type_ids"]
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
     batch["mm_token_type_ids"] = types
     for key in MEDIA_KEYS:
@@ -414,76 +455,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# TRL's vision SFT format: a LLaVA processor built offline, messages + images
+# TRL's vision SFT format (hf_sp_trainer.data.tiny_vlm: a LLaVA processor built offline, messages + images)
 # ----------------------------------------------------------------------------------------------------------------
-VISION_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}<|assistant|>{% generation %}"
-    "{% for c in message['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}"
-    "</s>{% endgeneration %}"
-    "{% else %}<|{{ message['role'] }}|>"
-    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<image>"
-    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}</s>{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-def llava_processor():
-    """``LlavaProcessor`` without the hub: the project's character tokenizer plus ``<image>`` (id ``IMG``), a PIL
-    CLIP image processor for 8x8 images and a chat template with generation markers."""
-    import string
-
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import LlavaProcessor, PreTrainedTokenizerFast
-    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-
-    from hf_sp_trainer.data.tokenizer import SPECIAL_TOKENS
-
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + sorted(set(string.printable)))} | {"<image>": IMG}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        unk_token="<unk>",
-        additional_special_tokens=[*SPECIAL_TOKENS[4:], "<image>"],
-    )
-    size = {"shortest_edge": LLAVA_IMAGE}
-    images = CLIPImageProcessorPil(size=size, crop_size={"height": LLAVA_IMAGE, "width": LLAVA_IMAGE})
-    return LlavaProcessor(
-        image_processor=images,
-        tokenizer=tokenizer,
-        chat_template=VISION_TEMPLATE,
-        patch_size=LLAVA_PATCH,
-        vision_feature_select_strategy="default",
-        image_token="<image>",
-        num_additional_image_tokens=1,
-    )
-
-
-def vision_sft_rows(n: int = 8, seed: int = 0) -> list[dict]:
-    """TRL's conversational vision format: ``messages`` (an image placeholder in the user turn) and ``images``."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(n):
-        images = [Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)) for _ in range(i % 3)]
-        question = "".join(rng.choice(list("abcdefgh "), 3 + 2 * i))
-        answer = "".join(rng.choice(list("xyz uvw"), 4 + (5 * i) % 11))
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
-        messages = [
-            {"role": "user", "content": content},
-            {"role": "assistant", "content": [{"type": "text", "text": answer}]},
-        ]
-        rows.append({"messages": messages, "images": images})
-    return rows
-
-
 def sft_vlm(sp_size: int, out_dir: str, steps: int = 3, assistant_only: bool = False) -> dict:
     """Three SGD steps of TRL SFT on the vision rows: ``trl.SFTTrainer`` (``sp_size=1``) or ``SPSFTTrainer``."""
     import torch.distributed as dist
@@ -505,12 +478,12 @@ def sft_vlm(sp_size: int, out_dir: str, steps: int = 3, assistant_only: bool = F
         assistant_only_loss=assistant_only,
         bf16=False,  # TRL defaults to bf16; the equivalence is checked in fp32
     )
-    dataset = Dataset.from_list(vision_sft_rows())
+    dataset = Dataset.from_list(vision_conversations())
     if sp_size == 1:
         trainer_cls, args = trl.SFTTrainer, trl.SFTConfig(**common)
     else:
         trainer_cls, args = SPSFTTrainer, SFTConfig(**common, sp_size=sp_size)
-    trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=llava_processor())
+    trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=tiny_llava_processor())
     trainer.train()
     logs = logged_steps(trainer)
     params = full_parameters(model)

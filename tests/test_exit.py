@@ -27,3 +27,23 @@ def test_failing_rank_fails_the_job_promptly():
     result = exit_check.launch("raise", exit_check.free_port(), timeout=300)
     assert result["rc"] not in (0, "timeout") and result["error_shown"], result
     assert result["seconds"] < 240, result  # no exit barrier waited for the failed peer
+
+
+def test_exit_finished_worker_runs_exit_hooks_then_exits_zero(tmp_path):
+    """The launched CLI workers end with ``exit_finished_worker``: exit hooks and buffered output first, exit code 0."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "hook_ran"
+    code = (
+        "import atexit, pathlib, sys\n"
+        "from hf_sp_trainer.distributed.teardown import exit_finished_worker\n"
+        f"atexit.register(lambda: pathlib.Path({str(marker)!r}).write_text('yes'))\n"
+        "sys.stdout.write('buffered, no newline')\n"
+        "exit_finished_worker()\n"
+        "raise SystemExit(3)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "buffered, no newline"
+    assert marker.read_text() == "yes"

@@ -81,3 +81,11 @@ def test_bench_hybrid_smoke(tmp_path):
     (model,) = json.loads((tmp_path / "hybrid_model.json").read_text())["rows"]
     assert model["loss_sp"] == pytest.approx(model["loss_single"], rel=1e-4)
     assert (tmp_path / "hybrid_bytes.csv").exists() and "| sp | length |" in done.stdout
+
+
+def test_vlm_lora_recipe_smoke(tmp_path):
+    """scripts/vlm/qwen2.5-vl-7b-lora-multi-image-64k.sh: hf-sp-sft with a VLM (a tiny LLaVA saved like a hub
+    checkpoint, its processor loaded by TRL) on TRL's vision conversations, 2 CPU processes, sp_size 2."""
+    stdout = run_smoke(ROOT / "vlm" / "qwen2.5-vl-7b-lora-multi-image-64k.sh", tmp_path)
+    assert (tmp_path / "out" / "adapter_config.json").exists() and "Model saved to" in stdout
+    assert logged(tmp_path / "out", "grad_norm") == [1, 2]

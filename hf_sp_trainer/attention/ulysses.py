@@ -141,9 +141,10 @@ def check_no_per_token_kwargs(module, local_len: int, kwargs: dict) -> None:
     """Refuse a score-shaped tensor kwarg over this rank's tokens (a bias such as inkling's ``position_bias``
     ``[b, h, q, kv]``): SP can't shard what it doesn't know, and dropping it would be silently wrong. Raised on every
     rank at the same layer, so nothing hangs. (Per-token ``[b, s]`` kwargs the model's forward passes on to every
-    layer, e.g. ``shift_labels``, don't reach the attention's arithmetic.)"""
+    layer, e.g. ``shift_labels``, don't reach the attention's arithmetic; nor do ``position_ids``, ``[3, b, s]`` in
+    GLM-4.5V, whose document bounds SP takes from the whole row's positions.)"""
     for name, value in kwargs.items():
-        if torch.is_tensor(value) and value.ndim >= 3 and local_len in value.shape[-2:]:
+        if name != "position_ids" and torch.is_tensor(value) and value.ndim >= 3 and local_len in value.shape[-2:]:
             raise ValueError(
                 f"{type(module).__name__} passes {name} of shape {tuple(value.shape)} to its attention: a per-token "
                 "tensor sequence parallelism can't shard. Use sp_size=1 for this model."

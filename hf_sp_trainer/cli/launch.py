@@ -66,8 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     from .args import make_parser
 
     if any(os.environ.get(name) for name in _LAUNCHED_ENV):  # started by torchrun / accelerate / deepspeed
+        from ..distributed.teardown import exit_finished_worker
+
         sft.worker(argv)
-        return 0
+        exit_finished_worker()
     if _on_cpu_only():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed then says nothing about detecting no GPU
         if "--use_cpu" not in argv:

@@ -93,4 +93,7 @@ def worker(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from hf_sp_trainer.distributed.teardown import exit_finished_worker
+
     worker(sys.argv[1:])
+    exit_finished_worker()

@@ -1,6 +1,7 @@
-"""``python -m hf_sp_trainer.cli.tiny DIR``: a tiny random Llama (the main job's shipped config), the offline
+"""``python -m hf_sp_trainer.cli.tiny DIR [--vlm]``: a tiny random Llama (the main job's shipped config), the offline
 tokenizer, a small passkey jsonl dataset, and random-word preference pairs (``dpo.jsonl``) and prompts
-(``prompts.jsonl``) — what the CPU smoke variants of the recipes in ``scripts/`` train on."""
+(``prompts.jsonl``) — what the CPU smoke variants of the recipes in ``scripts/`` train on. ``--vlm``: a tiny LLaVA
+with its processor (``DIR/vlm``) and vision conversations (``DIR/vision.parquet``) instead."""
 
 from __future__ import annotations
 
@@ -40,4 +41,9 @@ def write_word_rows(path: Path, n: int, prompt_words: tuple[int, int], **answers
 
 
 if __name__ == "__main__":
-    print(write_tiny_assets(sys.argv[1]))
+    if "--vlm" in sys.argv[2:]:
+        from ..data.tiny_vlm import write_tiny_vlm_assets
+
+        print(write_tiny_vlm_assets(sys.argv[1]))
+    else:
+        print(write_tiny_assets(sys.argv[1]))

@@ -99,8 +99,10 @@ def launch(command: str, argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(os.environ.get(name) for name in sft_launch._LAUNCHED_ENV):
+        from hf_sp_trainer.distributed.teardown import exit_finished_worker
+
         worker(command, argv)
-        return 0
+        exit_finished_worker()
     if sft_launch._on_cpu_only():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         if "--use_cpu" not in argv:

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from ..multimodal.parts import token_ids, vlm_base
+from ..multimodal.features import PIXELS
+from ..multimodal.parts import shared_placeholder, token_ids, vlm_base
 from ..sharding import IGNORE_INDEX
 
 # Per-example media tensors, concatenated over the examples in token order (first dim: patches, images or items).
@@ -63,14 +64,26 @@ class SPMultimodalCollator:
         labels = feature.get("labels")
         labels = ids.clone() if labels is None else torch.as_tensor(labels, dtype=torch.long).flatten()
         labels[0] = IGNORE_INDEX  # no document predicts the next one
-        types = torch.zeros_like(ids)
-        for modality, token in self.token_ids.items():
-            types[ids == token] = MODALITY_TYPE[modality]
-        doc = {"input_ids": ids, "labels": labels, "mm_token_type_ids": types}
-        doc |= {k: torch.as_tensor(feature[k]) for k in MEDIA_KEYS if feature.get(k) is not None}
+        media = {k: torch.as_tensor(feature[k]) for k in MEDIA_KEYS if feature.get(k) is not None}
+        doc = {"input_ids": ids, "labels": labels, "mm_token_type_ids": self._types(ids, media)} | media
         self._check_grids(doc)
         doc["position_ids"] = self._positions(doc)
         return doc
+
+    def _types(self, ids: torch.Tensor, media: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``mm_token_type_ids`` from the placeholders; where images and videos share one token (GLM-4V), from which
+        of the two the example holds."""
+        types = torch.zeros_like(ids)
+        present = [m for m in self.token_ids if PIXELS[m] in media]
+        if shared_placeholder(self.token_ids) and len(present) > 1:
+            raise ValueError(
+                f"An example holds images and videos, whose placeholders share token id {self.token_ids['image']} "
+                "in this model, so they can't be told apart (its own forward refuses them together too)."
+            )
+        for modality, token in self.token_ids.items():
+            if modality in present or not shared_placeholder(self.token_ids):
+                types[ids == token] = MODALITY_TYPE[modality]
+        return types
 
     def _check_grids(self, doc: dict[str, Any]) -> None:
         """Each document's placeholders match its grids (``t * h * w / merge**2`` tokens per image / video)."""

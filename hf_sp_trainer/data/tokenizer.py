@@ -18,10 +18,12 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per printable ASCII character plus special tokens (pad 0, bos 1, eos 2, unk 3)."""
+def build_char_tokenizer(extra_special: dict[str, int] | None = None) -> PreTrainedTokenizerFast:
+    """One token per printable ASCII character plus special tokens (pad 0, bos 1, eos 2, unk 3); ``extra_special``:
+    more special tokens at given ids (a VLM's ``<image>``)."""
     chars = sorted(set(string.printable))
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
+    extra_special = extra_special or {}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)} | extra_special
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
@@ -31,7 +33,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
-        additional_special_tokens=SPECIAL_TOKENS[4:],
+        additional_special_tokens=[*SPECIAL_TOKENS[4:], *extra_special],
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

@@ -12,9 +12,11 @@ exits at once, with its traceback and exit code).
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 from datetime import timedelta
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -55,9 +57,22 @@ def register_exit_hook() -> None:
     atexit.register(_at_exit)
 
 
+def exit_finished_worker() -> NoReturn:
+    """End a launched worker whose job is done with exit code 0: the exit hooks run (ours: the teardown above; the
+    trackers' and libraries'), logs and stdio are flushed, then ``os._exit(0)``. That skips only the C++ static
+    destructors, where a finished gloo process still aborts now and then (``terminate called without an active
+    exception``) after its groups were destroyed, so that the launcher reports a job that saved its model as failed.
+    For workers only (``hf-sp-sft`` and the TRL commands): a library never ends its caller's process."""
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
+
+
 def _at_exit() -> None:
     if dist.is_initialized():
         end_process_groups(barrier=not _state["failed"])
 
 
-__all__ = ["EXIT_BARRIER_TIMEOUT_S", "end_process_groups", "register_exit_hook"]
+__all__ = ["EXIT_BARRIER_TIMEOUT_S", "end_process_groups", "exit_finished_worker", "register_exit_hook"]

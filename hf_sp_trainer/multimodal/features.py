@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from ..attention.all_to_all import all_gather_along
 from ..sharding import SequenceSharding
 from ..topology import SPTopology
-from .parts import text_decoder, token_ids, uses_mrope, vlm_base
+from .parts import shared_placeholder, text_decoder, token_ids, uses_mrope, vlm_base
 
 PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
 
@@ -47,6 +47,12 @@ class MediaFeatures:
         check_positions(self.name, kwargs.get("position_ids"), self.mrope, bool(media))
         if not media:
             return args, kwargs
+        if len(media) > 1 and shared_placeholder(self.token_ids):
+            raise ValueError(
+                f"{self.name} places image and video features at the same token (id {self.token_ids['image']}), "
+                "so one batch can't hold both (its own forward refuses that on one device too): put images and "
+                "videos in separate batches."
+            )
         input_ids = kwargs.get("input_ids")
         if input_ids is None:
             raise ValueError(f"{self.name} under SP with media needs input_ids (the placeholders), not inputs_embeds.")
@@ -59,7 +65,8 @@ class MediaFeatures:
         for i, modality in enumerate(media):
             with torch.set_grad_enabled(trainable):
                 encoded = encode(base, modality, kwargs)
-            rows = torch.cat(list(encoded.pooler_output)) if _is_split(encoded.pooler_output) else encoded.pooler_output
+            split = _is_split(encoded.pooler_output)  # a tuple per medium (Qwen-VL, LLaVA) or one tensor (InternVL)
+            rows = _cat(encoded.pooler_output)
             rows = rows.reshape(-1, rows.shape[-1])
             count = int(full[i].sum())
             if count != rows.shape[0]:
@@ -70,7 +77,8 @@ class MediaFeatures:
                 )
             rank = (full[i].flatten().cumsum(0) - 1).view_as(full[i])  # global placeholder index, row-major (b, s)
             index = rank[:, positions][local[i].bool()].to(rows.device)  # this rank's placeholders, in local order
-            encoded.pooler_output = (rows.index_select(0, index),)
+            mine = rows.index_select(0, index)
+            encoded.pooler_output = (mine,) if split else mine
             deep = getattr(encoded, "deepstack_features", None)
             if deep:  # Qwen3-VL: the same rows of every deepstack level
                 encoded.deepstack_features = [(_cat(level).index_select(0, index),) for level in deep]

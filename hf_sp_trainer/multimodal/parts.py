@@ -20,7 +20,11 @@ ENCODER_CONFIG_HINTS = ("vision", "audio", "image", "video", "speech", "vq")
 # the two in step). Any other VLM is refused: the generic path may well hold for it, but unproven it could be
 # silently wrong (a merge that is not one feature row per placeholder, positions computed in the forward, ...).
 VERIFIED = frozenset(
-    {"Qwen2VLModel", "Qwen2_5_VLModel", "Qwen3VLModel", "Qwen3VLMoeModel", "Qwen3_5Model", "LlavaModel"}
+    {
+        *("Qwen2VLModel", "Qwen2_5_VLModel", "Qwen3VLModel", "Qwen3VLMoeModel", "Qwen3_5Model"),
+        *("Glm4vModel", "Glm4vMoeModel", "Glm46VModel"),  # video frames at the image token: no images + videos batch
+        *("LlavaModel", "InternVLModel"),  # 1-D positions
+    }
 )
 
 
@@ -54,7 +58,8 @@ def encoder_config_keys(model: torch.nn.Module) -> list[str]:
 
 
 def token_ids(model: PreTrainedModel) -> dict[str, int]:
-    """Placeholder token id per modality (``image_token_id`` / ``image_token_index``, ...)."""
+    """Placeholder token id per modality (``image_token_id`` / ``image_token_index``, ...), as the model's own merge
+    uses them: GLM-4V places video frames at the image token (its placeholder mask is probed on two tokens)."""
     config, out = model.config, {}
     for modality in MEDIA:
         for name in (f"{modality}_token_id", f"{modality}_token_index"):
@@ -62,7 +67,29 @@ def token_ids(model: PreTrainedModel) -> dict[str, int]:
             if isinstance(value, int):
                 out[modality] = value
                 break
+    if "image" in out and "video" in out and _video_at_image_token(model, out["image"], out["video"]):
+        out["video"] = out["image"]
     return out
+
+
+def shared_placeholder(ids: dict[str, int]) -> bool:
+    """Images and videos share one placeholder token: one batch can't hold both (the model can't tell them apart)."""
+    return len(set(ids.values())) < len(ids)
+
+
+def _video_at_image_token(model: PreTrainedModel, image: int, video: int) -> bool:
+    mask_fn = getattr(vlm_base(model), "get_placeholder_mask", None)
+    if mask_fn is None:
+        return False
+    try:
+        with torch.no_grad():
+            masks = mask_fn(torch.tensor([[image, video]]), inputs_embeds=torch.zeros(1, 2, 1))
+    except Exception:  # noqa: BLE001 - a mask function of another shape: the config's ids stand
+        return False
+    if not (isinstance(masks, tuple) and len(masks) == 2):
+        return False
+    at = masks[1].reshape(2, -1)[:, 0]
+    return bool(at[0]) and not bool(at[1])
 
 
 def uses_mrope(model: PreTrainedModel) -> bool:
