@@ -23,6 +23,9 @@ Hybrid models (``config.layer_types``): Gated DeltaNet layers (``linear_attentio
 short conv layers (``conv``: LFM2) save what ``planner_mixers.mixer_per_token`` counts instead of the attention
 tensors, plus the length-independent SP summaries of ``mixer_fixed``; their docstrings state what is assumed.
 
+VLMs (a ``vision_config``): the tower's weights and, per rank, the whole row's pixels and (trained tower) its saved
+activations are added (``planner_vision``: SP's phase 1 encodes every image on every rank).
+
 ``device='cpu'`` predicts a ``scripts/bench_memory.py`` CPU run (fp32, process peak RSS), which is how the model is
 checked (``tests/test_planner.py``): the runtime is ``CPU_RUNTIME_MIB``, AdamW runs tensor by tensor, and DDP's
 buckets count as gradients arrive (DDP rebuilds them at the measured second step; untouched pages are not resident).
@@ -34,6 +37,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from .planner_mixers import mixer_fixed, mixer_per_token
+from .planner_vision import VisionShape, vision_memory
 from .topology import split_sp_size
 
 GIB, MIB = 2**30, 2**20
@@ -73,6 +77,7 @@ class ModelShape:
     linear_v_dim: int = 0
     conv_width: int = 4  # GDN's linear_conv_kernel_dim, LFM2's conv_L_cache
     gated_attention: bool = False  # Qwen3.5 / Qwen3-Next attention: q_proj also yields an output gate; q/k norms
+    vision: VisionShape | None = None  # a VLM's tower (planner_vision); the fields above are its text decoder's
 
     @classmethod
     def from_config(cls, config, name: str = "") -> ModelShape:
@@ -167,6 +172,8 @@ class Setting:
     offload: bool = False
     dtype: str = "bf16"
     device: str = "cuda"
+    image_share: float = 0.0  # VLMs: the fraction of the row's tokens that are image placeholders
+    vision_trained: bool | None = None  # VLMs: the tower trains (default: unless LoRA, which freezes it)
 
     def validate(self) -> None:
         if self.gpus < 1 or self.sp < 1 or self.gpus % self.sp:
@@ -177,6 +184,8 @@ class Setting:
             raise ValueError(f"checkpointing must be none, full or sequence_aware, not {self.checkpointing!r}")
         if self.offload and self.checkpointing == "none":
             raise ValueError("activation offloading moves the checkpoints: it needs checkpointing.")
+        if not 0.0 <= self.image_share < 1.0:
+            raise ValueError(f"image_share is a fraction of the row's tokens in [0, 1), not {self.image_share}.")
 
 
 @dataclass
@@ -200,6 +209,7 @@ class Breakdown:
     gradient_phase: float
     peak: float
     host_offload: float = 0.0  # host memory of the offloaded checkpoints, per rank
+    vision_activations: float = 0.0  # a VLM tower's saved tensors and the row's pixels (in saved_activations)
 
     @property
     def peak_phase(self) -> str:
@@ -284,12 +294,21 @@ def estimate(m: ModelShape, s: Setting, length: int) -> Breakdown:
     else:  # multi-tensor AdamW / ZeRO: one fp32 copy of the local optimizer shard (upcast grads or sqrt(v))
         optimizer_step = 4 * trainable / opt_shards
 
+    vision = {"saved": 0.0}
+    if m.vision is not None:  # every rank encodes the whole row's images (phase 1)
+        trained = (not s.lora) if s.vision_trained is None else s.vision_trained
+        vision = vision_memory(m.vision, length, s.image_share, trained, s.checkpointing != "none", b, n, s.zero)
+        weights += vision["weights"]
+        gradients += vision["gradients"]
+        optimizer_states += vision["optimizer_states"]
+        buckets += vision["buckets"]
+
     kinds = [(m.attention_layers, _layer_activations(m, s, ulysses, ring, tokens))]
     kinds += [(n, _hybrid_activations(m, s, ring, tokens, kind)) for n, kind in
               ((m.gdn_layers, "gdn"), (m.conv_layers, "conv")) if n]  # fmt: skip
     kinds = [(n, layer) for n, layer in kinds if n]
     per_layer_saved = max(layer["saved"] for _, layer in kinds)
-    saved = sum(n * layer["saved"] for n, layer in kinds)
+    saved = sum(n * layer["saved"] for n, layer in kinds) + vision["saved"]
     host = 0.0
     if s.offload and not cpu:  # checkpoints live on the host but for the layers being copied
         host = max(0, m.layers - OFFLOAD_IN_FLIGHT) * kinds[0][1]["checkpoint"]  # the same for every kind
@@ -322,7 +341,7 @@ def estimate(m: ModelShape, s: Setting, length: int) -> Breakdown:
         length=length, local_tokens=tokens, ulysses=ulysses, ring=ring, runtime=runtime, weights=weights,
         gradients=gradients, optimizer_states=optimizer_states, comm_buffers=buckets, saved_activations=saved,
         layer_working_set=working_set, loss=loss, optimizer_step=optimizer_step, activation_phase=activation_phase,
-        gradient_phase=gradient_phase, peak=peak, host_offload=host,
+        gradient_phase=gradient_phase, peak=peak, host_offload=host, vision_activations=vision["saved"],
     )  # fmt: skip
 
 

@@ -26,9 +26,10 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 _LABEL_KEYS = ("labels", "shift_labels")
 # Media inputs of vision-language models: every rank holds them whole (multimodal.features encodes them), whatever
-# their shapes happen to be.
-MEDIA_KEYS = frozenset(
-    {"pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "second_per_grid_ts", "image_sizes"}
+# their shapes happen to be; the multimodal collator concatenates them per example, in token order.
+MEDIA_KEYS = (
+    *("pixel_values", "image_grid_thw", "image_sizes", "spatial_shapes", "pixel_attention_mask"),
+    *("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"),
 )
 
 

@@ -42,8 +42,12 @@ FAMILIES = {
     "glm46v": "Glm46VForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",  # 1-D positions: a CLIP tower and a Llama decoder
     "internvl": "InternVLForConditionalGeneration",  # 1-D positions: tiles, pixel-shuffled, a Qwen2 decoder
+    "llava_next": "LlavaNextForConditionalGeneration",  # any-resolution tiles, unpadded, a newline feature per row
+    "mistral3": "Mistral3ForConditionalGeneration",  # Pixtral: images of any size, padded; [IMG_BREAK] per row
+    "lfm2_vl": "Lfm2VlForConditionalGeneration",  # SigLIP2 NaFlex patches + an LFM2 decoder (short convs: mixers/)
 }
-ONE_D = ("llava", "internvl")  # whole images (or tiles) of a fixed number of placeholders each
+ONE_D = ("llava", "internvl", "llava_next", "mistral3", "lfm2_vl")  # 1-D positions
+IMG_BREAK, IMG_END = 124, 125  # Mistral3's row-break and end tokens (text tokens, no features)
 LLAVA_IMAGE, LLAVA_PATCH = tiny_vlm.IMAGE_SIZE, tiny_vlm.PATCH  # the package's tiny LLaVA: 16 placeholders an image
 
 
@@ -78,6 +82,61 @@ def internvl_config():
 
 def placeholders_per_image(family: str) -> int:
     return (LLAVA_IMAGE // LLAVA_PATCH) ** 2 if family == "llava" else (INTERNVL_TILE // 2) ** 2 // 4
+
+
+PINPOINTS = [[8, 16], [16, 8], [16, 16]]  # LLaVA-Next: a base 8x8 view plus these tilings of 8x8 tiles
+
+
+def llava_next_config():
+    from transformers import LlavaNextConfig
+
+    base = tiny_llava_config()
+    config = LlavaNextConfig(
+        vision_config=base.vision_config.to_dict(),
+        text_config=base.text_config.to_dict(),
+        image_token_index=IMG,
+        image_grid_pinpoints=PINPOINTS,
+        vision_feature_layer=-1,
+    )
+    return config
+
+
+def mistral3_config():
+    from transformers import Mistral3Config
+
+    base = tiny_llava_config()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=8,
+                  image_size=16, patch_size=2)  # fmt: skip
+    text = base.text_config.to_dict() | {"model_type": "mistral", "head_dim": 16}
+    return Mistral3Config(vision_config=vision, text_config=text, image_token_index=IMG, spatial_merge_size=2)
+
+
+def lfm2_vl_config():
+    from transformers import Lfm2VlConfig
+
+    vision = dict(model_type="siglip2_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, patch_size=2, num_patches=64)  # fmt: skip
+    text = dict(model_type="lfm2", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"],
+                pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    return Lfm2VlConfig(vision_config=vision, text_config=text, image_token_id=IMG, projector_hidden_size=64)
+
+
+_LLAVA_NEXT = {}
+
+
+def llava_next_image(size: tuple[int, int], g: torch.Generator) -> tuple[torch.Tensor, int]:
+    """An image of ``size`` pixels as LLaVA-Next's processor gives it (the base view and its tiles, ``[patches, 3,
+    8, 8]``) and its placeholder count, read from the model's own ``get_image_features``."""
+    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+    patches = image_size_to_num_patches(size, PINPOINTS, LLAVA_IMAGE)
+    pixels = torch.randn(patches, 3, LLAVA_IMAGE, LLAVA_IMAGE, generator=g)
+    if "model" not in _LLAVA_NEXT:
+        _LLAVA_NEXT["model"] = build_vlm("llava_next")
+    with torch.no_grad():
+        rows = _LLAVA_NEXT["model"].model.get_image_features(pixels[None], torch.tensor([size])).pooler_output
+    return pixels, sum(r.shape[0] for r in rows)
 
 
 def qwen_vl_config(family: str = "qwen2_vl", layers: int = 2):
@@ -149,7 +208,8 @@ def build_vlm(family: str = "qwen2_vl", seed: int = 0):
 
     from tests.harness import weak_decay
 
-    configs = {"llava": tiny_llava_config, "internvl": internvl_config}
+    configs = {"llava": tiny_llava_config, "internvl": internvl_config, "llava_next": llava_next_config}
+    configs |= {"mistral3": mistral3_config, "lfm2_vl": lfm2_vl_config}
     config = configs[family]() if family in configs else qwen_vl_config(family)
     cls = FAMILIES[family]
     torch.manual_seed(seed)
@@ -180,6 +240,27 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
             types += [0] * (len(ids) - len(types))
             if i < len(doc.media):
                 modality, (t, h, w) = doc.media[i]
+                if family == "llava_next":  # an image of 4h x 4w pixels: its tiles, as many placeholders as features
+                    image, count = llava_next_image((4 * h, 4 * w), g)
+                    ids += [IMG] * count
+                    types += [MODALITY_TYPE["image"]] * count
+                    pixels["image"].append(image)
+                    grids["image"].append(torch.tensor([[4 * h, 4 * w]]))
+                    continue
+                if family == "lfm2_vl":  # h x w patches of 2 x 2 pixels (NaFlex rows), (h/2)(w/2) placeholders
+                    ids += [VSTART] + [IMG] * (h * w // 4) + [VEND]
+                    types += [MODALITY_TYPE["image"] if x == IMG else 0 for x in ids[len(types) :]]
+                    pixels["image"].append(torch.randn(h * w, 3 * 2 * 2, generator=g))
+                    grids["image"].append(torch.tensor([[h, w]]))
+                    continue
+                if family == "mistral3":  # 4h x 4w pixels: h rows of w placeholders, [IMG_BREAK] between rows
+                    rows = [[IMG] * w + [IMG_BREAK] for _ in range(h)]
+                    rows[-1][-1] = IMG_END
+                    ids += [x for row in rows for x in row]
+                    types += [MODALITY_TYPE["image"] if x == IMG else 0 for x in ids[len(types) :]]
+                    pixels["image"].append(torch.randn(1, 3, 4 * h, 4 * w, generator=g))
+                    grids["image"].append(torch.tensor([[4 * h, 4 * w]]))
+                    continue
                 if family in ONE_D:  # a whole image (LLaVA) or tile (InternVL: in <img> ... </img>) per item
                     size = LLAVA_IMAGE if family == "llava" else INTERNVL_TILE
                     run = [IMG] * placeholders_per_image(family)
@@ -197,7 +278,24 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
                 pixels[modality].append(torch.randn(t * h * w, PATCH_DIM, generator=g))
                 grids[modality].append(torch.tensor([[t, h, w]]))
         example = {"input_ids": torch.tensor(ids), "mm_token_type_ids": torch.tensor(types)}
-        if family in ONE_D:
+        if family == "llava_next" and pixels["image"]:  # [images, patches, 3, 8, 8], zero-padded as the processor
+            most = max(x.shape[0] for x in pixels["image"])
+            padded = [F.pad(x, (0, 0, 0, 0, 0, 0, 0, most - x.shape[0])) for x in pixels["image"]]
+            example |= {"pixel_values": torch.stack(padded), "image_sizes": torch.cat(grids["image"])}
+        elif family == "lfm2_vl" and pixels["image"]:  # [images, most patches, 12], a mask of the real ones
+            most = max(x.shape[0] for x in pixels["image"])
+            mask = torch.stack([torch.arange(most) < x.shape[0] for x in pixels["image"]]).long()
+            padded = torch.stack([F.pad(x, (0, 0, 0, most - x.shape[0])) for x in pixels["image"]])
+            example |= {
+                "pixel_values": padded,
+                "spatial_shapes": torch.cat(grids["image"]),
+                "pixel_attention_mask": mask,
+            }
+        elif family == "mistral3" and pixels["image"]:  # [images, 3, H, W], zero-padded to the largest
+            tall, wide = (max(x.shape[d] for x in pixels["image"]) for d in (2, 3))
+            padded = [F.pad(x, (0, wide - x.shape[3], 0, tall - x.shape[2])) for x in pixels["image"]]
+            example |= {"pixel_values": torch.cat(padded), "image_sizes": torch.cat(grids["image"])}
+        elif family in ONE_D:
             if pixels["image"]:
                 example["pixel_values"] = torch.cat(pixels["image"])
         elif pixels["image"]:

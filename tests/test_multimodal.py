@@ -36,6 +36,12 @@ SP2 = [
     Case("llava", "padded", ring=2),
     Case("internvl", "mixed"),
     Case("internvl", "padded", ring=2),
+    Case("llava_next", "mixed"),
+    Case("llava_next", "padded", ring=2),
+    Case("mistral3", "mixed", ring=2),
+    Case("mistral3", "padded"),
+    Case("lfm2_vl", "mixed"),
+    Case("lfm2_vl", "padded", ring=2),
     Case("glm4v", "images"),
     Case("glm4v", "videos", ring=2),
     Case("glm4v_moe", "videos"),
@@ -49,6 +55,9 @@ SP4 = [
     Case("qwen3_vl_moe", "mixed", ring=2),
     Case("llava", "padded"),
     Case("internvl", "padded"),
+    Case("llava_next", "padded"),
+    Case("mistral3", "mixed"),
+    Case("lfm2_vl", "padded", ring=2),
     Case("glm4v", "videos", ring=2),
     Case("glm4v_moe", "images", ring=2),
 ]
@@ -82,7 +91,9 @@ def test_layouts_cover_the_hard_places() -> None:
     the sp-2 boundary; "padded" needs SP's padding document at sp 2 and 4."""
     from hf_sp_trainer import SPMultimodalCollator
 
-    for family, layout in (("qwen2_vl", "mixed"), ("internvl", "mixed"), ("glm4v", "images"), ("glm4v", "videos")):
+    pairs = [("qwen2_vl", "mixed"), ("internvl", "mixed"), ("llava_next", "mixed"), ("mistral3", "mixed")]
+    pairs += [("glm4v", "images")]
+    for family, layout in [*pairs, ("glm4v", "videos")]:
         row = SPMultimodalCollator(build_vlm(family))(make_examples(LAYOUTS[layout], family))["input_ids"][0]
         half = len(row) // 2 + len(row) % 2
         assert row[half - 1] == IMG and row[half] == IMG, (family, layout, row.tolist())
@@ -185,6 +196,20 @@ def test_collator_checks_placeholders_against_grids() -> None:
         SPMultimodalCollator(model)([example])
 
 
+def test_collator_pads_llava_next_tiles_across_examples() -> None:
+    """LLaVA-Next examples with different tile counts: zero-padded to the most tiles, as its processor pads a batch
+    (the "padded" layout's row is exact under SP only if the model reads the real tiles from ``image_sizes``)."""
+    from hf_sp_trainer import SPMultimodalCollator
+
+    examples = make_examples(LAYOUTS["padded"], "llava_next")
+    tiles = [ex["pixel_values"].shape[1] for ex in examples if "pixel_values" in ex]
+    assert len(set(tiles)) > 1, tiles
+    pixels = SPMultimodalCollator(build_vlm("llava_next"))(examples)["pixel_values"]
+    assert pixels.shape[1] == max(tiles)
+    short = next(ex["pixel_values"] for ex in examples if ex["pixel_values"].shape[1] < max(tiles))
+    assert torch.equal(pixels[-1, : short.shape[1]], short[-1]) and not pixels[-1, short.shape[1] :].any()
+
+
 def test_collator_types_shared_placeholders_by_the_examples_media() -> None:
     """GLM-4V's video frames sit at the image token: the collator types them by the example's media (its own
     ``get_rope_index`` needs that), and refuses an example holding both."""
@@ -271,7 +296,7 @@ def test_only_proven_vlms_pass_the_checks() -> None:
     assert accepted <= {FAMILIES[c.family] for c in SP2} and accepted <= ringed, (accepted, ringed)
     bases = {type(build_vlm(f).model).__name__ for f in FAMILIES}
     assert bases == set(VERIFIED), (bases, VERIFIED)
-    assert {t for t, _, s, _ in rows if s == "refused"} >= {"gemma3", "llama4", "llava_next", "idefics3"}
+    assert {t for t, _, s, _ in rows if s == "refused"} >= {"gemma3", "llama4", "llava_onevision", "idefics3"}
 
 
 @pytest.mark.parametrize("family", ["gemma3", "paligemma", "llama4"])

@@ -286,3 +286,75 @@ def test_cli_text_on_a_hybrid_config(tmp_path):
                          "fp32", "--table-zero", "0")  # fmt: skip
     assert code == 0
     assert "hybrid: 1 attention + 3 Gated DeltaNet (Hk 2, Hv 4, K 32, V 32, conv 4) layers" in out
+
+
+# -- VLMs: the vision tower (planner_vision) --------------------------------------------------------------------------
+VLM_MEASUREMENTS = os.path.join(ROOT, "docs", "benchmarks", "vlm", "vlm_memory.json")
+
+
+def bench_vlm_shape() -> ModelShape:
+    scripts = os.path.join(ROOT, "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    from bench_vlm_memory import vlm_config
+
+    from hf_sp_trainer.cli.plan import vision_params
+    from hf_sp_trainer.planner_vision import VisionShape
+
+    config = vlm_config()
+    return replace(ModelShape.from_config(config, "vlm"), vision=VisionShape.from_config(config, vision_params(config)))
+
+
+def test_vlm_one_process_measurements_within_tolerance():
+    """scripts/bench_vlm_memory.py's one-process rows (a Qwen2-VL-shaped model, one long multimodal row, the tower
+    trained or frozen): the whole peak and the step's own memory (less the row's pixels, which the batch holds before
+    the step) within the tolerance. At sp 2 and 4 the planner is 8-38% low on the step memory of these rows (a
+    per-row amount, ~190 MB at 16K, that doesn't shrink with sp and that the text-only rows don't show): printed here,
+    not yet explained (docs/benchmarks/vlm)."""
+    with open(VLM_MEASUREMENTS) as f:
+        rows = json.load(f)["rows"]
+    m, lines, failures = bench_vlm_shape(), [], []
+    assert m.vision is not None and {r["sp"] for r in rows} >= {1, 2, 4}
+    for row in rows:
+        s = Setting(gpus=row["sp"], sp=row["sp"], checkpointing="none", dtype="fp32", device="cpu",
+                    image_share=0.5, vision_trained=row["tower"] == "trained")  # fmt: skip
+        e = estimate(m, s, row["length"])
+        pixels = row["image_tokens"] * m.vision.patches_per_token * m.vision.patch_dim * 4 / MIB
+        step = (e.peak - e.runtime - e.weights - e.optimizer_states - e.comm_buffers) / MIB - pixels
+        error, step_error = e.peak / MIB / row["peak_mb"] - 1, step / (row["peak_mb"] - row["base_mb"]) - 1
+        lines.append(f"sp{row['sp']} {row['tower']:>7} {row['length']:>6}: peak {error:+.1%}, step {step_error:+.1%}")
+        if row["sp"] == 1 and max(abs(error), abs(step_error)) > TOLERANCE:
+            failures.append(lines[-1])
+    print("\n".join(lines))
+    assert not failures, "\n".join(failures)
+
+
+def test_vlm_tower_memory_is_per_row_and_frozen_costs_less():
+    """The tower's share is the whole row's on every rank (phase 1: it doesn't shrink with sp); a frozen tower keeps
+    only the pixels, a trained one its saved activations, gradients and AdamW states too."""
+    m = bench_vlm_shape()
+    frozen, trained = (Setting(gpus=4, sp=4, checkpointing="none", image_share=0.5, vision_trained=t) for t in (0, 1))
+    for s in (frozen, trained):
+        one, four = estimate(m, replace(s, gpus=1, sp=1), 16384), estimate(m, s, 16384)
+        assert one.vision_activations == four.vision_activations > 0
+        assert estimate(m, replace(s, image_share=0.0), 16384).vision_activations == 0
+    f, t = estimate(m, frozen, 16384), estimate(m, trained, 16384)
+    assert t.vision_activations > 3 * f.vision_activations and t.optimizer_states > f.optimizer_states
+    text_only = estimate(replace(m, vision=None), frozen, 16384)
+    assert f.weights == t.weights == text_only.weights + m.vision.params * 2  # bf16 weights of the tower added
+    lora = estimate(m, replace(trained, lora=True, vision_trained=None), 16384)
+    assert lora.vision_activations == f.vision_activations  # LoRA: the tower is frozen
+
+
+def test_cli_text_on_a_vlm_config(tmp_path):
+    scripts = os.path.join(ROOT, "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    from bench_vlm_memory import vlm_config
+
+    vlm_config().save_pretrained(tmp_path / "tiny-vl")
+    code, out = _run_cli("--model", str(tmp_path / "tiny-vl"), "--gpus", "2", "--gpu-memory-gib", "8", "--device",
+                         "cpu", "--dtype", "fp32", "--table-zero", "0", "--image-share", "0.5")  # fmt: skip
+    assert code == 0, out
+    assert "vision tower: 0.9M parameters, 2 blocks of 128; 50% of the row image placeholders (4 patches each)" in out
+    assert "of which the vision tower's" in out

@@ -89,3 +89,15 @@ def test_vlm_lora_recipe_smoke(tmp_path):
     stdout = run_smoke(ROOT / "vlm" / "qwen2.5-vl-7b-lora-multi-image-64k.sh", tmp_path)
     assert (tmp_path / "out" / "adapter_config.json").exists() and "Model saved to" in stdout
     assert logged(tmp_path / "out", "grad_norm") == [1, 2]
+
+
+def test_bench_vlm_memory_smoke(tmp_path):
+    """scripts/bench_vlm_memory.py --smoke: one long multimodal row of a Qwen2-VL-shaped model, an SPTrainer step at
+    sp 1 and 2, per-rank peak measured; SP holds less per rank."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT.parent)}
+    cmd = [sys.executable, str(ROOT / "bench_vlm_memory.py"), "--smoke", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads((tmp_path / "vlm_memory.json").read_text())["rows"]
+    assert [r["sp"] for r in rows] == [1, 2] and all(r["images"] > 0 and r["peak_mb"] > r["base_mb"] for r in rows)
+    assert (tmp_path / "vlm_memory.png").exists()

@@ -15,10 +15,11 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from .. import planner
 from ..planner import GIB, MIB, ModelShape, Setting
+from ..planner_vision import VisionShape
 
 
 def load_shape(model: str) -> ModelShape:
@@ -32,7 +33,26 @@ def load_shape(model: str) -> ModelShape:
     elif os.path.isfile(model):  # path/NAME/config.json or path/NAME.json
         stem = os.path.splitext(os.path.basename(model))[0]
         name = os.path.basename(os.path.dirname(os.path.abspath(model))) if stem == "config" else stem
-    return ModelShape.from_config(config, name=name or model)
+    shape = ModelShape.from_config(config, name=name or model)
+    vision = VisionShape.from_config(config, vision_params(config)) if hasattr(config, "vision_config") else None
+    return replace(shape, vision=vision) if vision else shape
+
+
+def vision_params(config) -> int:
+    """A VLM's parameters outside its text decoder and LM head (vision tower, projector), counted on the meta
+    device."""
+    import torch
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    from ..multimodal.parts import text_decoder
+
+    cls = getattr(transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[config.model_type])
+    with torch.device("meta"):
+        model = cls(config)
+    text = {id(p) for p in text_decoder(model).parameters()}
+    text |= {id(p) for p in model.get_output_embeddings().parameters()}
+    return sum(p.numel() for p in model.parameters() if id(p) not in text)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,6 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: predict a scripts/bench_memory.py run (RSS, memory per process)")  # fmt: skip
+    p.add_argument("--image-share", type=float, default=0.0,
+                   help="VLMs: fraction of the row's tokens that are image placeholders (default 0)")  # fmt: skip
+    p.add_argument("--vision", default=None, choices=["trained", "frozen"],
+                   help="VLMs: the tower trains or is frozen (default: frozen with --lora, else trained)")  # fmt: skip
     p.add_argument("--length", type=int, default=None, help="tokens per sequence for (a) (default: the longest)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p.parse_args(argv)
@@ -99,6 +123,11 @@ def breakdown_lines(m: ModelShape, e: planner.Breakdown, budget: float, device: 
         ("DDP gradient buckets", e.comm_buffers, ""),
         ("runtime / CUDA overhead", e.runtime, ""),
         (f"saved activations, {m.layers} layers", e.saved_activations, "checkpoints (+ saved attention), or all"),
+        *(
+            [("  of which the vision tower's", e.vision_activations, "the row's pixels (+ the tower's saved)")]
+            if m.vision
+            else []
+        ),  # fmt: skip
         ("one layer's working set", e.layer_working_set, "recompute + backward, all-to-all / ring buffers"),
         ("logits / loss", e.loss, "logits (or one chunk), final norm, LM-head gradient"),
         ("optimizer-step temporaries", e.optimizer_step, ""),
@@ -137,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     setting = Setting(
         gpus=args.gpus, sp=args.sp or args.gpus, ring=args.ring, zero=args.zero, lora=args.lora, lora_r=args.lora_r,
         tiled_mlp=args.tiled_mlp, fused_loss=args.fused_loss, checkpointing=args.checkpointing, offload=args.offload,
-        dtype=args.dtype, device=args.device,
+        dtype=args.dtype, device=args.device, image_share=args.image_share,
+        vision_trained=None if args.vision is None else args.vision == "trained",
     )  # fmt: skip
     try:
         setting.validate()
@@ -165,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.gpus} x {args.gpu_memory_gib:g} GiB")  # fmt: skip
     if shape.gdn_layers or shape.conv_layers:
         print(f"hybrid: {_hybrid(shape)}")
+    if shape.vision:
+        v = shape.vision
+        print(f"vision tower: {v.params / 1e6:.1f}M parameters, {v.depth} blocks of {v.hidden}; "
+              f"{args.image_share:.0%} of the row image placeholders ({v.patches_per_token} patches each), "
+              "every rank encoding every image")  # fmt: skip
     print(f"setting: {_describe(setting, ulysses, ring)}")
     print("\n".join(breakdown_lines(shape, estimate, budget, setting.device)))
     print(f"    longest trainable length for this setting: {_tokens(longest)} tokens"

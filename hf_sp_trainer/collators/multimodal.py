@@ -10,17 +10,8 @@ import torch
 
 from ..multimodal.features import PIXELS
 from ..multimodal.parts import shared_placeholder, token_ids, vlm_base
-from ..sharding import IGNORE_INDEX
+from ..sharding import IGNORE_INDEX, MEDIA_KEYS
 
-# Per-example media tensors, concatenated over the examples in token order (first dim: patches, images or items).
-MEDIA_KEYS = (
-    "pixel_values",
-    "image_grid_thw",
-    "image_sizes",
-    "pixel_values_videos",
-    "video_grid_thw",
-    "second_per_grid_ts",
-)
 TOKEN_KEYS = ("input_ids", "labels", "mm_token_type_ids")
 MODALITY_TYPE = {"image": 1, "video": 2}  # mm_token_type_ids: text 0, image 1, video 2
 
@@ -56,7 +47,7 @@ class SPMultimodalCollator:
         for key in MEDIA_KEYS:
             values = [d[key] for d in docs if d.get(key) is not None]
             if values:
-                batch[key] = torch.cat(values)
+                batch[key] = concat_media(values)
         return batch
 
     def _document(self, feature: dict[str, Any]) -> dict[str, Any]:
@@ -115,6 +106,19 @@ class SPMultimodalCollator:
         with torch.no_grad():
             rope, _ = self._rope_index(doc["input_ids"][None], **kwargs)  # [3, 1, n]
         return torch.cat([text, rope.to(torch.long)])
+
+
+def concat_media(values: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate per-example media tensors along the first dim; where their other dims differ (LLaVA-Next's
+    ``[images, tiles, 3, h, w]`` with a different tile count per example), zero-pad them first, as the processor pads
+    a batch (the model reads the real extent from ``image_sizes``)."""
+    if len({v.shape[1:] for v in values}) > 1:
+        most = [max(v.shape[d] for v in values) for d in range(1, values[0].ndim)]
+        values = [
+            torch.nn.functional.pad(v, [x for d in reversed(range(1, v.ndim)) for x in (0, most[d - 1] - v.shape[d])])
+            for v in values
+        ]
+    return torch.cat(values)
 
 
 class SPVisionSFTCollator:

@@ -41,8 +41,9 @@ class MediaFeatures:
         self._handle.remove()
 
     def _before_forward(self, base, args, kwargs):
-        if args:
-            raise ValueError(f"{self.name} under SP: pass the inputs by keyword (input_ids=..., pixel_values=...).")
+        if args:  # LLaVA-Next passes input_ids by position: named here, so the hook reads and rewrites them
+            names = list(inspect.signature(base.forward).parameters)[: len(args)]
+            kwargs, args = {**dict(zip(names, args, strict=True)), **kwargs}, ()
         media = [m for m in self.token_ids if kwargs.get(PIXELS[m]) is not None]
         check_positions(self.name, kwargs.get("position_ids"), self.mrope, bool(media))
         if not media:
