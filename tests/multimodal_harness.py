@@ -65,18 +65,7 @@ def internvl_config():
         image_size=[INTERNVL_TILE, INTERNVL_TILE],
         patch_size=[2, 2],
     )
-    text = dict(
-        model_type="qwen2",
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    text = dict(tiny_vlm.TINY_TEXT, model_type="qwen2")
     return InternVLConfig(vision_config=vision, text_config=text, image_token_id=IMG, image_seq_length=16)
 
 

@@ -21,6 +21,20 @@ VISION_TEMPLATE = (
 )
 
 
+# The tiny text decoder of the VLMs here and in the tests (with a model_type: llama, qwen2, ...)
+TINY_TEXT = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
 def tiny_llava_config():
     from transformers import LlavaConfig
 
@@ -33,19 +47,8 @@ def tiny_llava_config():
         image_size=IMAGE_SIZE,
         patch_size=PATCH,
     )
-    text = dict(
-        model_type="llama",
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
     seq = (IMAGE_SIZE // PATCH) ** 2
+    text = dict(TINY_TEXT, model_type="llama")
     return LlavaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN_ID, image_seq_length=seq)
 
 
