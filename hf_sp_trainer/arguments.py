@@ -10,6 +10,7 @@ import transformers
 from .distributed import cpu_backend
 from .distributed.accelerate_sp import route_accelerate_sp
 from .memory import MemoryArguments
+from .mixers.swap import STATE_PASSING, check_state_passing
 from .topology import check_ring_size, check_world
 
 
@@ -39,6 +40,16 @@ class SequenceParallelArguments:
             "Default: the model's own attention implementation."
         },
     )
+    sp_state_passing: str = field(
+        default="gather",
+        metadata={
+            "help": "How hybrid layers (Gated DeltaNet, KDA, Mamba2) carry their recurrent state across SP ranks: "
+            "'gather' (default: every rank's run summary all-gathered once per layer, the ranks run in parallel) or "
+            "'relay' (a debugging aid: the state handed rank to rank in sequence, as one device computes it; with "
+            "runs aligned to the kernel's chunks, Gated DeltaNet's result is bitwise the single-device one).",
+            "choices": list(STATE_PASSING),
+        },
+    )
 
     sp_throughput_logging: bool = field(
         default=True,
@@ -57,6 +68,7 @@ class SequenceParallelArguments:
         route_accelerate_sp(self)  # ParallelismConfig(sp_size=...) / PARALLELISM_CONFIG_SP_SIZE
         check_world(self.sp_size, self.world_size if self.sp_size > 1 else 1)
         check_ring_size(self.sp_size, self.sp_ring_size)
+        check_state_passing(self.sp_state_passing)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from transformers.utils import logging
 from .attention import UlyssesAttention, all_gather_along, validate_model_for_sp
 from .attention.ulysses import VARLEN_KEY, head_counts
 from .distributed.teardown import register_exit_hook
-from .mixers.swap import attach_mixers, check_mixer_kernels, release_mixers
+from .mixers.swap import attach_mixers, check_mixer_kernels, check_state_passing, release_mixers
 from .multimodal.features import MediaFeatures
 from .multimodal.parts import is_multimodal
 from .router_loss import RouterLoss, sp_router_loss
@@ -100,23 +100,26 @@ def apply_sequence_parallel(
     *,
     ring_size: int | None = None,
     attn_implementation: str | None = None,
+    state_passing: str = "gather",
 ) -> SequenceParallel:
     """Split every sequence of ``model``'s inputs over ``sp_size`` ranks (``ulysses x ring``).
 
     ``ring_size`` defaults to the smallest ring that leaves a Ulysses degree dividing the query heads;
-    ``attn_implementation`` is the kernel run inside (default: the model's own). Collective: every rank of the default
-    process group calls it. Raises a ``ValueError`` on every rank, before any communication, for a model or split
-    that can't work.
+    ``attn_implementation`` is the kernel run inside (default: the model's own); ``state_passing`` how hybrid layers
+    carry their recurrent state across the ranks ("gather", or "relay": a sequential debugging aid). Collective:
+    every rank of the default process group calls it. Raises a ``ValueError`` on every rank, before any
+    communication, for a model or split that can't work.
     """
     kernel = attn_implementation or default_kernel(model)
     ulysses, ring = validate_model_for_sp(model, sp_size, ring_size, kernel)
     check_mixer_kernels(model)
+    check_state_passing(state_passing)
     register_exit_hook()  # a script that never calls remove() or destroys its groups still exits cleanly
     topology = sp_topology(sp_size, ring)
     sharding = SequenceSharding(sp_size, ring)
     attention = UlyssesAttention(topology, sharding, kernel)
     attention.attach(model)
-    attach_mixers(model, topology, sharding)  # hybrid layers' convs and recurrences, exact across the ranks
+    attach_mixers(model, topology, sharding, state_passing)  # hybrid layers' convs and recurrences, exact
     router_loss = sp_router_loss(model, topology.sp_group)
     media = MediaFeatures(model, topology, sharding) if is_multimodal(model) else None
     if topology.rank == 0:

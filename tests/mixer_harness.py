@@ -65,10 +65,12 @@ def check_gdn(
     k_heads: int = 2,
     carry_state: bool = True,
     kda: bool = False,
+    relay: bool = False,
 ) -> dict[str, float]:
     """Max relative difference (over ranks) of the output and of every input's gradient, SP vs document by
     document, for the gated delta rule (grouped value heads, weak decay unless ``decay`` says otherwise); ``kda``:
-    Kimi's delta attention instead (a decay per key channel, one head count, one head size)."""
+    Kimi's delta attention instead (a decay per key channel, one head count, one head size); ``relay``: the state
+    handed rank to rank (``sp_state_passing="relay"``) instead of gathered."""
     topo, index, runs, total = _setup(rows, ring_size)
     gen = torch.Generator().manual_seed(0)
     b = len(rows)
@@ -86,7 +88,7 @@ def check_gdn(
     local = [t.detach()[:, index].clone().requires_grad_() for t in inputs]
     out, _ = sp_chunk_gated_delta_rule(
         lambda *a, **kw: core(*a, chunk_size=chunk, **kw), *local, runs, topo.sp_group, carry_state=carry_state,
-        use_qk_l2norm_in_kernel=True,
+        relay=relay, use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
     (out * probe[:, index]).sum().backward()
     result = {"out": _rel(out.detach(), ref.detach()[:, index])}
@@ -137,9 +139,11 @@ def check_mamba2(
     chunk: int = 8,
     state_passing: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
+    relay: bool = False,
 ) -> dict[str, float]:
     """Max relative difference of the scan's output and of every input's gradient, SP vs document by document
-    (transformers' ``mamba2_chunk_scan``, softplus on, ``dt_limit`` as given)."""
+    (transformers' ``mamba2_chunk_scan``, softplus on, ``dt_limit`` as given; ``relay``: the state handed rank to
+    rank)."""
     topo = sp_topology(dist.get_world_size(), ring_size)
     sharding = SequenceSharding(topo.sp_size, ring_size)
     total = sum(docs)
@@ -174,6 +178,7 @@ def check_mamba2(
         dt_bias=biasl,
         dt_softplus=True,
         dt_limit=dt_limit,
+        relay=relay,
     )
     (out * weight[:, index]).sum().backward()
     for t in params:  # parameter gradients are partial per rank: summed like SP's gradient reduction

@@ -20,6 +20,7 @@ from tests.sft_harness import SFTCase, train_sft_case
 
 TOL = 1e-5
 RING2 = {"sp_ring_size": 2}
+RELAY = {"sp_state_passing": "relay"}  # the state handed rank to rank (a debugging aid), not gathered
 SGD = dict(optim="sgd", steps=4)
 CHECKPOINTING = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
 MEMORY = dict(fused_loss=True, activation_offloading=True, checkpoint_policy="sequence_aware", **CHECKPOINTING)
@@ -36,11 +37,14 @@ WORLD2 = [
     ),
     SFTCase("sft_lora_lfm2", family="lfm2", lora=True),
     Case("granite4h_mamba2_sgd_ga2", family="granitemoehybrid", grad_accum=2, **SGD),  # Mamba2 + attention + MoE
+    Case("relay_qwen3_5_gdn", family="qwen3_5", sp_overrides=RELAY, **SGD),
+    Case("relay_granite4h_mamba2", family="granitemoehybrid", sp_overrides=RELAY, **SGD),
 ]
 WORLD4 = [
     Case("sp4_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, **SGD),  # a document over >= 3 ranks
     Case("hybrid2x2_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, sp_overrides=RING2, **SGD),
     Case("dp2sp2_lfm2_short_conv", family="lfm2", sp_size=2, world_size=4, **SGD),
+    Case("relay_hybrid2x2_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, sp_overrides=RING2 | RELAY, **SGD),
 ]
 
 

@@ -3,7 +3,8 @@ delta attention and Mamba2) against transformers' own kernels run on each docume
 cross-rank bug would show: a document starting inside a shard, exactly at a shard start, 1-2 tokens before it
 (inside the conv halo), one document over every shard, 1-token documents, shards shorter than the conv width, runs
 not aligned to the kernel's chunks, two rows with different documents; Ulysses (sp 2, 3, 4) and zigzag rings.
-Negative controls: state passing off and the halo off must fail the same comparison."""
+Negative controls: state passing off and the halo off must fail the same comparison. ``relay_`` cases: the state
+handed rank to rank (``tests/test_mixers_relay.py``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from tests.harness import run_distributed, unwrap_results
 from tests.mixer_harness import run_checks
 from tests.test_mixers_mamba2 import mamba2_cases
+from tests.test_mixers_relay import relay_cases
 
 TOL = 1e-5
 LAYOUTS = {  # world size -> name -> (rows, ring size)
@@ -66,7 +68,7 @@ def _cases(world: int) -> list[tuple[str, str, dict]]:
         cases += [(f"control_{name}", kind, kwargs) for name, (kind, kwargs) in CONTROLS.items()]
     for ring in (1, 2) if world == 4 else (1,):
         cases += mamba2_cases(world, ring)
-    return cases
+    return cases + relay_cases(world)
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +95,13 @@ CONTROL_NAMES = [name for world in LAYOUTS for name, _, _ in _cases(world) if na
 @pytest.mark.parametrize("name", CONTROL_NAMES)
 def test_negative_controls_fail(name: str, results: dict) -> None:
     assert max(results[name].values()) > 1e-2, results[name]
+
+
+BITWISE = [name for name in ALL if name.startswith("relay_bitwise_")]
+
+
+@pytest.mark.parametrize("name", BITWISE)
+def test_relay_is_bitwise_when_runs_are_chunk_aligned(name: str, results: dict) -> None:
+    """With every run a whole number of the kernel's chunks, relaying the state computes what one device does,
+    operation for operation: the output and every gradient equal the single-device ones exactly."""
+    assert all(v == 0.0 for v in results[name].values()), results[name]

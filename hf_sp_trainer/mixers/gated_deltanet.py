@@ -6,7 +6,8 @@ state, column by column, so one call of the model's own kernel on values ``[v | 
 ``[0 | I]`` yields a run's output from zero, its ``S_ext`` and its transition ``M`` (``[K, K]``) at once. Each
 document segment inside a run is computed alone (packed documents never leak into each other), and the segment
 that continues a document from an earlier rank adds the kernel's output for values 0 from the incoming state:
-``o(v, S_in) = o(v, 0) + o(0, S_in)``.
+``o(v, S_in) = o(v, 0) + o(0, S_in)``. ``relay=True`` (``sp_state_passing="relay"``, a debugging aid) runs the
+first segment from the state handed over by the rank before instead (``relay``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from .linear_state import incoming_states, touch
-from .runs import ShardRuns
+from .relay import relay_runs
+from .runs import Run, ShardRuns
 
 
 def sp_chunk_gated_delta_rule(
@@ -30,11 +32,13 @@ def sp_chunk_gated_delta_rule(
     runs: ShardRuns,
     group: dist.ProcessGroup,
     carry_state: bool = True,
+    relay: bool = False,
     **options,
 ) -> tuple[torch.Tensor, None]:
     """The model's chunked delta-rule ``core`` on this rank's shard (``[b, L, heads, dim]``, ``g``/``beta``
     ``[b, L, v_heads]``), each document as if alone. ``options``: the core's other keyword arguments.
-    ``carry_state=False`` (a negative control for tests) starts every run from a zero state."""
+    ``carry_state=False`` (a negative control for tests) starts every run from a zero state; ``relay``: the
+    state handed rank to rank (``relay.py``) instead of gathered."""
     if options.pop("initial_state", None) is not None or options.pop("output_final_state", False):
         raise ValueError("Gated DeltaNet under sequence parallelism runs without a cache (use_cache=False).")
     options.pop("cu_seqlens", None)
@@ -48,6 +52,25 @@ def sp_chunk_gated_delta_rule(
     def call(row: int, sl: slice, v: torch.Tensor, state: torch.Tensor | None, final: bool):
         q, k, gate, b_ = (t[row : row + 1, sl] for t in (query, key, g, beta))
         return core(q, k, v, gate, b_, initial_state=state, output_final_state=final, **options)
+
+    if relay:
+
+        def step(run: Run, state_in: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            rows, finals = [], []
+            for row in range(b):
+                slices, continues = runs.segments(row, run)
+                pieces = []
+                for n, sl in enumerate(slices):
+                    start = state_in[row : row + 1] if n == 0 and continues and state_in is not None else None
+                    out, final = call(row, sl, value[row : row + 1, sl], start, n == len(slices) - 1)
+                    pieces.append(out)
+                rows.append(torch.cat(pieces, dim=1))
+                finals.append(final.float())
+            return torch.cat(rows, dim=0), torch.cat(finals, dim=0)
+
+        anchor = sum(t.reshape(-1)[0] for t in (query, key, value, g, beta))
+        pieces, token = relay_runs(step, runs, (b, v_heads, k_dim, v_dim), anchor, group)
+        return touch(torch.cat(pieces, dim=1), token), None
 
     for row in range(b):
         for i, run in enumerate(runs.mine):

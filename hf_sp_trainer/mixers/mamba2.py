@@ -7,7 +7,8 @@ head) is affine in its initial state, with a scalar transition per head: a run f
 softplus, the ``time_step_limit`` clamp; ``step_sizes`` repeats it, and the swap's check holds the installed kernel
 to it). Each document segment inside a run is scanned alone from zero (packed documents never leak into each other);
 the segment that continues a document from an earlier rank adds the scan of ``x = 0`` from the incoming state, in
-which ``D x`` vanishes: ``y(x, h_in) = y(x, 0) + y(0, h_in)``.
+which ``D x`` vanishes: ``y(x, h_in) = y(x, 0) + y(0, h_in)``. ``relay=True`` (``sp_state_passing="relay"``, a
+debugging aid) scans the first segment from the state handed over by the rank before instead (``relay``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .linear_state import incoming_states, touch
-from .runs import ShardRuns
+from .relay import relay_runs
+from .runs import Run, ShardRuns
 
 
 def step_sizes(
@@ -51,9 +53,11 @@ def sp_mamba2_chunk_scan(
     dt_bias: torch.Tensor | None = None,
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
+    relay: bool = False,
 ) -> torch.Tensor:
     """The model's chunked ``scan`` on this rank's shard (``x [b, L, H, P]``, ``dt [b, L, H]``, ``B``/``C``
-    ``[b, L, G, N]``), each document as if alone; the scan's output ``[b, L, H, P]``."""
+    ``[b, L, G, N]``), each document as if alone; the scan's output ``[b, L, H, P]``. ``relay``: the state handed
+    rank to rank (``relay.py``) instead of gathered."""
     b, _, heads, head_dim = x.shape
     state_size = B.shape[-1]
     steps = step_sizes(dt, dt_bias, dt_softplus, dt_limit)
@@ -76,6 +80,25 @@ def sp_mamba2_chunk_scan(
             initial_states=state,
             return_final_states=final,
         )
+
+    if relay:
+
+        def step(run: Run, state_in: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+            rows, finals = [], []
+            for row in range(b):
+                slices, continues = runs.segments(row, run)
+                pieces = []
+                for n, sl in enumerate(slices):
+                    start = state_in[row : row + 1] if n == 0 and continues and state_in is not None else None
+                    out, final = call(row, sl, x[row : row + 1, sl], start, False, True)
+                    pieces.append(out)
+                rows.append(torch.cat(pieces, dim=1))
+                finals.append(final.float())
+            return torch.cat(rows, dim=0), torch.cat(finals, dim=0)
+
+        anchor = sum(t.reshape(-1)[0] for t in (x, dt, A, B, C))
+        pieces, token = relay_runs(step, runs, (b, heads, head_dim, state_size), anchor, group)
+        return touch(torch.cat(pieces, dim=1), token).contiguous()
 
     for row in range(b):
         for i, run in enumerate(runs.mine):

@@ -27,13 +27,30 @@ from .gated_deltanet import sp_chunk_gated_delta_rule
 from .mamba2 import run_decay, sp_mamba2_chunk_scan, step_sizes
 from .runs import shard_runs
 
+STATE_PASSING = ("gather", "relay")  # linear_state.py (the default) and relay.py (a debugging aid)
+
+
+def check_state_passing(state_passing: str) -> None:
+    """``sp_state_passing`` must name one of ``STATE_PASSING``."""
+    if state_passing not in STATE_PASSING:
+        raise ValueError(
+            f"sp_state_passing={state_passing!r} is not one of {list(STATE_PASSING)}: 'gather' (the default) or "
+            "'relay' (a sequential debugging aid)."
+        )
+
 
 @dataclass
 class MixerContext:
-    """Where this process's tokens sit: its SP topology, or ``None`` at sp_size 1 (the whole sequence, no group)."""
+    """Where this process's tokens sit: its SP topology, or ``None`` at sp_size 1 (the whole sequence, no group),
+    and how recurrent state crosses the ranks (``STATE_PASSING``)."""
 
     topology: SPTopology | None
     sharding: SequenceSharding
+    state_passing: str = "gather"
+
+    @property
+    def relay(self) -> bool:
+        return self.state_passing == "relay"
 
     @property
     def group(self):
@@ -71,7 +88,7 @@ def _gdn_entry(original: Callable) -> Callable:
             k: kwargs[k] for k in ("initial_state", "output_final_state", "use_qk_l2norm_in_kernel") if k in kwargs
         }
         core = functools.partial(original, chunk_size=chunk_size)
-        return sp_chunk_gated_delta_rule(core, query, key, value, g, beta, runs, ctx.group, **options)
+        return sp_chunk_gated_delta_rule(core, query, key, value, g, beta, runs, ctx.group, relay=ctx.relay, **options)
 
     return torch_chunk_gated_delta_rule
 
@@ -89,7 +106,7 @@ def _mamba2_entry(original: Callable) -> Callable:
         options = {k: kwargs[k] for k in ("dt_softplus", "dt_limit") if k in kwargs}
         scan = functools.partial(original, chunk_size=chunk_size)
         return sp_mamba2_chunk_scan(
-            scan, hidden_states, dt, A, B, C, runs, ctx.topology.sp_group, D=D, dt_bias=dt_bias, **options
+            scan, hidden_states, dt, A, B, C, runs, ctx.group, D=D, dt_bias=dt_bias, relay=ctx.relay, **options
         )
 
     return mamba2_chunk_scan
@@ -129,11 +146,15 @@ assert set(ENTRIES) == set(SP_KERNELS), "detect.SP_KERNELS must name exactly the
 
 
 def attach_mixers(
-    model: torch.nn.Module, topology: SPTopology | None, sharding: SequenceSharding | None = None
+    model: torch.nn.Module,
+    topology: SPTopology | None,
+    sharding: SequenceSharding | None = None,
+    state_passing: str = "gather",
 ) -> list[str]:
     """Swap the SP kernels into ``model``'s modeling modules (idempotent) and make this SP the active one
-    (``topology=None``: sp_size 1, documents kept apart within the process); returns ``module.function`` for every
-    swapped function."""
+    (``topology=None``: sp_size 1, documents kept apart within the process; ``state_passing``: one of
+    ``STATE_PASSING``); returns ``module.function`` for every swapped function."""
+    check_state_passing(state_passing)
     sharding = sharding or SequenceSharding(1)
     swapped = []
     for module_name in sorted({type(m).__module__ for m in model.modules()}):
@@ -150,7 +171,7 @@ def attach_mixers(
                 wrapped._hf_sp_original = fn
                 setattr(module, name, wrapped)
             swapped.append(f"{module_name}.{name}")
-    _CONTEXT[:] = [MixerContext(topology, sharding)]
+    _CONTEXT[:] = [MixerContext(topology, sharding, state_passing)]
     return swapped
 
 
