@@ -45,8 +45,10 @@ FAMILIES = {
     "llava_next": "LlavaNextForConditionalGeneration",  # any-resolution tiles, unpadded, a newline feature per row
     "mistral3": "Mistral3ForConditionalGeneration",  # Pixtral: images of any size, padded; [IMG_BREAK] per row
     "lfm2_vl": "Lfm2VlForConditionalGeneration",  # SigLIP2 NaFlex patches + an LFM2 decoder (short convs: mixers/)
+    "gemma3": "Gemma3ForConditionalGeneration",  # image tokens see their whole image (sliding layers too): Ulysses
 }
-ONE_D = ("llava", "internvl", "llava_next", "mistral3", "lfm2_vl")  # 1-D positions
+ONE_D = ("llava", "internvl", "llava_next", "mistral3", "lfm2_vl", "gemma3")  # 1-D positions
+GEMMA3_IMAGE = 16  # a SigLIP tower on 16 x 16 pixels, 2 x 2 patches, average-pooled to 4 x 4 = 16 placeholders
 IMG_BREAK, IMG_END = 124, 125  # Mistral3's row-break and end tokens (text tokens, no features)
 LLAVA_IMAGE, LLAVA_PATCH = tiny_vlm.IMAGE_SIZE, tiny_vlm.PATCH  # the package's tiny LLaVA: 16 placeholders an image
 
@@ -69,7 +71,23 @@ def internvl_config():
     return InternVLConfig(vision_config=vision, text_config=text, image_token_id=IMG, image_seq_length=16)
 
 
+def gemma3_config():
+    """Gemma3 with a sliding window (12) shorter than an image (16 tokens), so it cuts through images."""
+    from transformers import Gemma3Config
+
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, image_size=GEMMA3_IMAGE, patch_size=2)  # fmt: skip
+    text = dict(model_type="gemma3_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                query_pre_attn_scalar=16, sliding_window=12, layer_types=["sliding_attention", "full_attention"],
+                pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+    return Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=16, image_token_index=IMG,
+                        boi_token_index=VSTART, eoi_token_index=VEND)  # fmt: skip
+
+
 def placeholders_per_image(family: str) -> int:
+    if family == "gemma3":
+        return 16
     return (LLAVA_IMAGE // LLAVA_PATCH) ** 2 if family == "llava" else (INTERNVL_TILE // 2) ** 2 // 4
 
 
@@ -198,7 +216,7 @@ def build_vlm(family: str = "qwen2_vl", seed: int = 0):
     from tests.harness import weak_decay
 
     configs = {"llava": tiny_llava_config, "internvl": internvl_config, "llava_next": llava_next_config}
-    configs |= {"mistral3": mistral3_config, "lfm2_vl": lfm2_vl_config}
+    configs |= {"mistral3": mistral3_config, "lfm2_vl": lfm2_vl_config, "gemma3": gemma3_config}
     config = configs[family]() if family in configs else qwen_vl_config(family)
     cls = FAMILIES[family]
     torch.manual_seed(seed)
@@ -250,8 +268,8 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
                     pixels["image"].append(torch.randn(1, 3, 4 * h, 4 * w, generator=g))
                     grids["image"].append(torch.tensor([[4 * h, 4 * w]]))
                     continue
-                if family in ONE_D:  # a whole image (LLaVA) or tile (InternVL: in <img> ... </img>) per item
-                    size = LLAVA_IMAGE if family == "llava" else INTERNVL_TILE
+                if family in ONE_D:  # a whole image (LLaVA) or tile (InternVL, Gemma3: in <img> ... </img>)
+                    size = {"llava": LLAVA_IMAGE, "gemma3": GEMMA3_IMAGE}.get(family, INTERNVL_TILE)
                     run = [IMG] * placeholders_per_image(family)
                     ids += run if family == "llava" else [VSTART, *run, VEND]
                     types += [MODALITY_TYPE["image"] if x == IMG else 0 for x in ids[len(types) :]]
@@ -267,6 +285,8 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
                 pixels[modality].append(torch.randn(t * h * w, PATCH_DIM, generator=g))
                 grids[modality].append(torch.tensor([[t, h, w]]))
         example = {"input_ids": torch.tensor(ids), "mm_token_type_ids": torch.tensor(types)}
+        if family == "gemma3":  # its processor's token_type_ids: 1 at the image tokens (they drive its image mask)
+            example["token_type_ids"] = (torch.tensor(ids) == IMG).long()
         if family == "llava_next" and pixels["image"]:  # [images, patches, 3, 8, 8], zero-padded as the processor
             most = max(x.shape[0] for x in pixels["image"])
             padded = [F.pad(x, (0, 0, 0, 0, 0, 0, 0, most - x.shape[0])) for x in pixels["image"]]
@@ -309,9 +329,11 @@ def reference(model, examples: list[dict]) -> tuple[float, dict[str, torch.Tenso
     total = 0.0
     for ex in examples:
         ids = ex["input_ids"][None]
-        media = {k: v for k, v in ex.items() if k not in ("input_ids", "mm_token_type_ids")}
+        media = {k: v for k, v in ex.items() if k not in ("input_ids", "mm_token_type_ids", "token_type_ids")}
         if hasattr(model.model, "get_rope_index"):  # its own mrope positions need the token types
             media["mm_token_type_ids"] = ex["mm_token_type_ids"][None]
+        if "token_type_ids" in ex:  # Gemma3: each image's tokens see each other
+            media["token_type_ids"] = ex["token_type_ids"][None]
         out = model(input_ids=ids, **media)
         labels = F.pad(ids[:, 1:], (0, 1), value=-100)
         total = total + F.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), reduction="sum")
@@ -396,7 +418,7 @@ def run_case(case: Case, sp_size: int) -> dict:
 
     model = build_vlm(case.family)
     if case.frozen:
-        model.model.visual.requires_grad_(False)
+        (getattr(model.model, "visual", None) or model.model.vision_tower).requires_grad_(False)
     examples = make_examples(LAYOUTS[case.layout], case.family)
     ref = reference(model, examples)
     batch = SPMultimodalCollator(model)(examples)
@@ -413,6 +435,23 @@ def run_matrix(cases: list[Case], sp_size: int) -> dict[str, dict]:
     logging.set_verbosity_error()
     dist.init_process_group("gloo")
     return {case.name: run_case(case, sp_size) for case in cases}
+
+
+def run_matrix_without(cases: list[Case], sp_size: int) -> dict[str, dict]:
+    """``run_matrix`` twice, negative controls: Gemma3's image rows left causal, then with no window on them."""
+    import hf_sp_trainer.attention.ulysses as ulysses
+
+    original = ulysses.attend_image_blocks
+    out = {}
+    try:
+        ulysses.attend_image_blocks = lambda out, *args, **kwargs: out
+        out |= {f"{k}_causal": v for k, v in run_matrix(cases, sp_size).items()}
+        ulysses.attend_image_blocks = lambda *args, sliding_window=None, **kw: original(*args, **kw)
+        for case in cases:
+            out[f"{case.name}_no_window"] = run_case(case, sp_size)
+    finally:
+        ulysses.attend_image_blocks = original
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -20,11 +20,18 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..mixers.detect import check_sequence_mixers, uses_attention_registry
-from ..multimodal.parts import check_multimodal, encoder_config_keys, is_multimodal, text_decoder
+from ..multimodal.parts import (
+    check_multimodal,
+    encoder_config_keys,
+    is_multimodal,
+    text_decoder,
+    uses_image_blocks,
+)
 from ..sharding import SequenceSharding, check_sp_padding
 from ..topology import SPTopology, split_sp_size
 from .all_to_all import all_gather_along, all_to_all
 from .block_attention import check_kernel
+from .image_blocks import IMAGE_BLOCKS_KWARG, attend_image_blocks
 from .kernels import is_varlen_kernel, resolve_kernel, run_kernel
 from .layout import DocumentLayout
 from .ring import autocast_like_sdpa, document_bounds, ring_attention
@@ -104,6 +111,12 @@ def validate_model_for_sp(
         raise ValueError(f"{name} has {heads} query heads, not a multiple of its {kv_heads} key/value heads.")
     check_sinks(model)
     ulysses, ring = split_sp_size(sp_size, heads, ring_size)
+    if ring > 1 and uses_image_blocks(model):
+        raise ValueError(
+            f"{name}'s image tokens attend bidirectionally within their image, which SP computes under Ulysses "
+            f"only: sp_size={sp_size} needs a ring of {ring} for its {heads} query heads. Use an sp_size dividing "
+            f"{heads} (with sp_ring_size=1)."
+        )
     kernel = kernel or model.config._attn_implementation
     if kernel == ULYSSES_KEY:
         raise ValueError(f"The inner attention kernel can't be {ULYSSES_KEY!r} itself: set sp_attn_implementation.")
@@ -182,8 +195,11 @@ class UlyssesAttention:
         bounds = kwargs.pop(BOUNDS_KWARG, None)  # the whole sequence's documents, from the decoder pre-hook
         if bounds is None or self.layout is None:
             raise RuntimeError("SP attention was called outside a forward of the model it was attached to.")
+        blocks = kwargs.pop(IMAGE_BLOCKS_KWARG, None)  # Gemma3's images, from the media pre-hook
         topo = self.topology
         group = topo.ulysses_group
+        if blocks is not None and (topo.ring_size > 1 or kwargs.get("softcap")):
+            raise RuntimeError("Bidirectional image blocks run under Ulysses only, without softcapping.")
         check_no_per_token_kwargs(module, query.shape[2], kwargs)
         if key.shape[-1] != query.shape[-1] or value.shape[:3] != key.shape[:3]:
             raise ValueError(
@@ -200,6 +216,7 @@ class UlyssesAttention:
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
         query, key, value = autocast_like_sdpa(query, key, value)
         q, k, v = (all_to_all(t, scatter_dim=1, gather_dim=2, group=group) for t in (query, key, value))
+        whole = q, k, v  # [b, h/U, s, d]: the whole sequence for this rank's heads
         if self._uses_blocks(q, kwargs, sinks is not None):  # one op per layer for all documents and the ring
             ring = topo.ring_group if topo.ring_size > 1 else None
             out = ring_attention(
@@ -225,6 +242,16 @@ class UlyssesAttention:
                 v = F.pad(v, (0, max(q.shape[-1], dv) - dv))
                 q, k = (F.pad(t, (0, v.shape[-1] - t.shape[-1])) for t in (q, k))
             out = run_kernel(self.kernel, fn, kernel_module, q, k, v, self.layout, kwargs)[..., :dv]  # [b,s,h/U,dv]
+        if blocks is not None:  # image queries see their whole image: those rows recomputed
+            out = attend_image_blocks(
+                out,
+                *whole,
+                blocks,
+                bounds,
+                scale=kwargs.get("scaling") or whole[0].shape[-1] ** -0.5,
+                sliding_window=kwargs.get("sliding_window"),
+                dropout=kwargs.get("dropout", 0.0),
+            )
         return all_to_all(out, scatter_dim=1, gather_dim=2, group=group), None  # [b, s/P, h, d]
 
     def _uses_blocks(self, q: torch.Tensor, kwargs: dict, sinks: bool = False) -> bool:
@@ -267,6 +294,13 @@ class UlyssesAttention:
         batch, local_len = tokens.shape[:2]
         group, sp_size = self.topology.sp_group, self.topology.sp_size
         mask = kwargs.get("attention_mask")
+        if isinstance(mask, dict):  # per layer type, as a VLM base hands them on (Gemma3: the media pre-hook's)
+            mask = next(iter(mask.values()), None)
+        if mask is not None and mask.ndim != 2:
+            raise ValueError(
+                f"SP got a prepared {mask.ndim}-D attention mask; pass the [batch, seq] padding mask (or none): SP "
+                "builds the attention pattern from the documents' positions."
+            )
         has_padding = mask is not None and not bool(mask.bool().all())
         # One small collective every rank always completes, so a bad input raises everywhere instead of hanging.
         shapes = all_gather_along(

@@ -20,7 +20,8 @@ class SPMultimodalCollator:
     """Pack multimodal examples (a processor's output per example: ``input_ids``, ``labels``, ``pixel_values``,
     ``image_grid_thw``, ...) into one row.
 
-    - ``input_ids`` / ``labels`` / ``mm_token_type_ids`` are concatenated; each document's first label is ``-100``;
+    - ``input_ids`` / ``labels`` / ``mm_token_type_ids`` are concatenated; each document's first label is ``-100``
+      (``token_type_ids`` for a model that takes those instead: Gemma3, whose image mask they drive);
     - media tensors are concatenated in the same order, so the k-th placeholder of the row is the k-th feature row;
     - positions restart per document: the model's own ``get_rope_index`` on each document alone, with a text row
       in front (``[4, 1, S]``), for multimodal-rope models (Qwen-VL, GLM-4V); ``[1, S]`` otherwise (LLaVA-style).
@@ -37,6 +38,9 @@ class SPMultimodalCollator:
         self._rope_params = set(inspect.signature(self._rope_index).parameters) if self._rope_index else set()
         vision = getattr(model.config, "vision_config", None)
         self._merge = getattr(vision, "spatial_merge_size", None)
+        forward = inspect.signature(type(base).forward).parameters
+        takes_plain = "token_type_ids" in forward and "mm_token_type_ids" not in forward
+        self._types_key = "token_type_ids" if takes_plain else "mm_token_type_ids"  # Gemma3: its image mask's
 
     def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
         docs = [self._document(f) for f in features if len(f["input_ids"])]
@@ -48,6 +52,7 @@ class SPMultimodalCollator:
             values = [d[key] for d in docs if d.get(key) is not None]
             if values:
                 batch[key] = concat_media(values)
+        batch[self._types_key] = batch.pop("mm_token_type_ids")
         return batch
 
     def _document(self, feature: dict[str, Any]) -> dict[str, Any]:

@@ -17,9 +17,10 @@ import torch
 from transformers import PreTrainedModel
 
 from ..attention.all_to_all import all_gather_along
+from ..attention.image_blocks import IMAGE_BLOCKS_KWARG, image_blocks
 from ..sharding import SequenceSharding
 from ..topology import SPTopology
-from .parts import shared_placeholder, text_decoder, token_ids, uses_mrope, vlm_base
+from .parts import shared_placeholder, text_decoder, token_ids, uses_image_blocks, uses_mrope, vlm_base
 
 PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
 
@@ -31,6 +32,7 @@ class MediaFeatures:
         self.topology, self.sharding = topology, sharding
         self.token_ids = token_ids(model)
         self.mrope = uses_mrope(model)
+        self.image_blocks = uses_image_blocks(model)  # Gemma3: each image's tokens see each other
         self.name = type(model).__name__
         base = vlm_base(model)
         decoder = {id(p) for p in text_decoder(model).parameters()}
@@ -46,6 +48,14 @@ class MediaFeatures:
             kwargs, args = {**dict(zip(names, args, strict=True)), **kwargs}, ()
         media = [m for m in self.token_ids if kwargs.get(PIXELS[m]) is not None]
         check_positions(self.name, kwargs.get("position_ids"), self.mrope, bool(media))
+        if self.image_blocks and kwargs.get("token_type_ids") is not None:  # the images of the whole rows
+            types = kwargs["token_type_ids"]
+            full_types = self.sharding.unshard(all_gather_along(types, 1, self.topology.sp_group), 1)
+            kwargs[IMAGE_BLOCKS_KWARG] = image_blocks(full_types)
+        if self.image_blocks and not isinstance(kwargs.get("attention_mask"), dict):  # not built from the shard
+            kwargs["attention_mask"] = dict.fromkeys(
+                ("full_attention", "sliding_attention"), kwargs.get("attention_mask")
+            )
         if not media:
             return args, kwargs
         if len(media) > 1 and shared_placeholder(self.token_ids):

@@ -19,11 +19,14 @@ ENCODER_CONFIG_HINTS = ("vision", "audio", "image", "video", "speech", "vq")
 # The VLM base models whose SP runs are proven exact by tests/test_multimodal.py (each has cases there; a test keeps
 # the two in step). Any other VLM is refused: the generic path may well hold for it, but unproven it could be
 # silently wrong (a merge that is not one feature row per placeholder, positions computed in the forward, ...).
+# Bidirectional within each image (``token_type_ids`` runs; ``attention/image_blocks.py``), under Ulysses only.
+IMAGE_BLOCK_MODELS = frozenset({"Gemma3Model"})
 VERIFIED = frozenset(
     {
         *("Qwen2VLModel", "Qwen2_5_VLModel", "Qwen3VLModel", "Qwen3VLMoeModel", "Qwen3_5Model"),
         *("Glm4vModel", "Glm4vMoeModel", "Glm46VModel"),  # video frames at the image token: no images + videos batch
         *("LlavaModel", "LlavaNextModel", "Mistral3Model", "InternVLModel", "Lfm2VlModel"),  # 1-D positions
+        *IMAGE_BLOCK_MODELS,
     }
 )
 
@@ -118,12 +121,14 @@ def check_multimodal(model: PreTrainedModel, sp_size: int) -> None:
         )
     if not token_ids(model):
         raise ValueError(f"{name} has no image/video placeholder token id in its config to place features at. {fix}")
-    if _bidirectional_media(base):
+    if _bidirectional_media(base) and type(base).__name__ not in IMAGE_BLOCK_MODELS:
         raise ValueError(
             f"{name} lets image tokens attend bidirectionally within their image (a mask built from token_type_ids); "
             f"SP attention is causal per document and would be silently wrong. {fix}"
         )
     text = model.config.get_text_config()
+    if getattr(text, "use_bidirectional_attention", False):
+        raise ValueError(f"{name}'s text decoder attends bidirectionally (use_bidirectional_attention). {fix}")
     for field in ("attention_chunk_size", "no_rope_layers"):
         if getattr(text, field, None):
             raise ValueError(
@@ -135,6 +140,12 @@ def check_multimodal(model: PreTrainedModel, sp_size: int) -> None:
             f"{name}: SP for its base model {type(base).__name__} is not verified exact yet (verified: "
             f"{', '.join(sorted(VERIFIED))}); refused rather than risk a silent difference. {fix}"
         )
+
+
+def uses_image_blocks(model: torch.nn.Module) -> bool:
+    """Image tokens attend bidirectionally within their image (Gemma3), which SP computes under Ulysses only."""
+    base = vlm_base(model)
+    return base is not None and type(base).__name__ in IMAGE_BLOCK_MODELS
 
 
 def _bidirectional_media(base: torch.nn.Module) -> bool:
