@@ -9,6 +9,7 @@ row and sums each rank's token losses and gradients over the SP group.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -46,8 +47,13 @@ FAMILIES = {
     "mistral3": "Mistral3ForConditionalGeneration",  # Pixtral: images of any size, padded; [IMG_BREAK] per row
     "lfm2_vl": "Lfm2VlForConditionalGeneration",  # SigLIP2 NaFlex patches + an LFM2 decoder (short convs: mixers/)
     "gemma3": "Gemma3ForConditionalGeneration",  # image tokens see their whole image (sliding layers too): Ulysses
+    "aya_vision": "AyaVisionForConditionalGeneration",  # SigLIP, pixel-shuffled, a Cohere2 decoder (sliding layers)
+    "cohere2_vision": "Cohere2VisionForConditionalGeneration",  # the same shape, its own projector
+    "lighton_ocr": "LightOnOcrForConditionalGeneration",  # Pixtral (images of any size) + a Qwen3 decoder
 }
-ONE_D = ("llava", "internvl", "llava_next", "mistral3", "lfm2_vl", "gemma3")  # 1-D positions
+PIXTRAL = ("mistral3", "lighton_ocr")  # images of any size, [IMG_BREAK] rows
+SHUFFLED = ("aya_vision", "cohere2_vision")  # 16 x 16 pixels, 2 x 2 patches, pixel-shuffled by 2: 16 placeholders
+ONE_D = ("llava", "internvl", "llava_next", "lfm2_vl", "gemma3", *PIXTRAL, *SHUFFLED)  # 1-D positions
 GEMMA3_IMAGE = 16  # a SigLIP tower on 16 x 16 pixels, 2 x 2 patches, average-pooled to 4 x 4 = 16 placeholders
 IMG_BREAK, IMG_END = 124, 125  # Mistral3's row-break and end tokens (text tokens, no features)
 LLAVA_IMAGE, LLAVA_PATCH = tiny_vlm.IMAGE_SIZE, tiny_vlm.PATCH  # the package's tiny LLaVA: 16 placeholders an image
@@ -85,8 +91,30 @@ def gemma3_config():
                         boi_token_index=VSTART, eoi_token_index=VEND)  # fmt: skip
 
 
+def shuffled_config(family: str):
+    """Aya Vision / Cohere2-Vision: a SigLIP tower, pixel shuffle by 2, a Cohere2 decoder with a sliding layer."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, image_size=16, patch_size=2)  # fmt: skip
+    text = dict(tiny_vlm.TINY_TEXT, model_type="cohere2", sliding_window=12,
+                layer_types=["sliding_attention", "full_attention"])  # fmt: skip
+    token = {"image_token_index" if family == "aya_vision" else "image_token_id": IMG}
+    config = CONFIG_MAPPING[family](vision_config=vision, text_config=text, downsample_factor=2, **token)
+    config.alignment_intermediate_size = 64
+    return config
+
+
+def lighton_ocr_config():
+    from transformers import LightOnOcrConfig
+
+    base = mistral3_config()
+    text = dict(tiny_vlm.TINY_TEXT, model_type="qwen3", head_dim=16)
+    return LightOnOcrConfig(vision_config=base.vision_config.to_dict(), text_config=text, image_token_id=IMG)
+
+
 def placeholders_per_image(family: str) -> int:
-    if family == "gemma3":
+    if family in ("gemma3", *SHUFFLED):
         return 16
     return (LLAVA_IMAGE // LLAVA_PATCH) ** 2 if family == "llava" else (INTERNVL_TILE // 2) ** 2 // 4
 
@@ -217,6 +245,7 @@ def build_vlm(family: str = "qwen2_vl", seed: int = 0):
 
     configs = {"llava": tiny_llava_config, "internvl": internvl_config, "llava_next": llava_next_config}
     configs |= {"mistral3": mistral3_config, "lfm2_vl": lfm2_vl_config, "gemma3": gemma3_config}
+    configs |= {f: functools.partial(shuffled_config, f) for f in SHUFFLED} | {"lighton_ocr": lighton_ocr_config}
     config = configs[family]() if family in configs else qwen_vl_config(family)
     cls = FAMILIES[family]
     torch.manual_seed(seed)
@@ -260,7 +289,7 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
                     pixels["image"].append(torch.randn(h * w, 3 * 2 * 2, generator=g))
                     grids["image"].append(torch.tensor([[h, w]]))
                     continue
-                if family == "mistral3":  # 4h x 4w pixels: h rows of w placeholders, [IMG_BREAK] between rows
+                if family in PIXTRAL:  # 4h x 4w pixels: h rows of w placeholders, [IMG_BREAK] between rows
                     rows = [[IMG] * w + [IMG_BREAK] for _ in range(h)]
                     rows[-1][-1] = IMG_END
                     ids += [x for row in rows for x in row]
@@ -269,7 +298,9 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
                     grids["image"].append(torch.tensor([[4 * h, 4 * w]]))
                     continue
                 if family in ONE_D:  # a whole image (LLaVA) or tile (InternVL, Gemma3: in <img> ... </img>)
-                    size = {"llava": LLAVA_IMAGE, "gemma3": GEMMA3_IMAGE}.get(family, INTERNVL_TILE)
+                    size = {"llava": LLAVA_IMAGE, "gemma3": GEMMA3_IMAGE}.get(
+                        family, 16 if family in SHUFFLED else INTERNVL_TILE
+                    )
                     run = [IMG] * placeholders_per_image(family)
                     ids += run if family == "llava" else [VSTART, *run, VEND]
                     types += [MODALITY_TYPE["image"] if x == IMG else 0 for x in ids[len(types) :]]
@@ -300,7 +331,7 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
                 "spatial_shapes": torch.cat(grids["image"]),
                 "pixel_attention_mask": mask,
             }
-        elif family == "mistral3" and pixels["image"]:  # [images, 3, H, W], zero-padded to the largest
+        elif family in PIXTRAL and pixels["image"]:  # [images, 3, H, W], zero-padded to the largest
             tall, wide = (max(x.shape[d] for x in pixels["image"]) for d in (2, 3))
             padded = [F.pad(x, (0, wide - x.shape[3], 0, tall - x.shape[2])) for x in pixels["image"]]
             example |= {"pixel_values": torch.cat(padded), "image_sizes": torch.cat(grids["image"])}

@@ -48,6 +48,11 @@ SP2 = [
     Case("glm46v", "images", ring=2),
     Case("gemma3", "mixed"),  # Ulysses only: each image's tokens see the whole image, a window cutting through it
     Case("gemma3", "padded", frozen=True),
+    Case("aya_vision", "mixed"),
+    Case("aya_vision", "padded", ring=2),
+    Case("cohere2_vision", "mixed", ring=2),
+    Case("lighton_ocr", "mixed"),
+    Case("lighton_ocr", "padded", ring=2),
 ]
 SP4 = [
     Case("qwen2_vl", "mixed", ring=2),
@@ -63,6 +68,9 @@ SP4 = [
     Case("glm4v", "videos", ring=2),
     Case("glm4v_moe", "images", ring=2),
     Case("gemma3", "mixed"),
+    Case("aya_vision", "padded", ring=2),
+    Case("cohere2_vision", "mixed"),
+    Case("lighton_ocr", "mixed"),
 ]
 ULYSSES_ONLY = {"gemma3"}  # a ring is refused (tests/test_multimodal.py::test_gemma3_refuses_a_ring)
 
@@ -96,7 +104,7 @@ def test_layouts_cover_the_hard_places() -> None:
     from hf_sp_trainer import SPMultimodalCollator
 
     pairs = [("qwen2_vl", "mixed"), ("internvl", "mixed"), ("llava_next", "mixed"), ("mistral3", "mixed")]
-    pairs += [("glm4v", "images")]
+    pairs += [("glm4v", "images"), ("gemma3", "mixed"), ("aya_vision", "mixed"), ("lighton_ocr", "mixed")]
     for family, layout in [*pairs, ("glm4v", "videos")]:
         row = SPMultimodalCollator(build_vlm(family))(make_examples(LAYOUTS[layout], family))["input_ids"][0]
         half = len(row) // 2 + len(row) % 2

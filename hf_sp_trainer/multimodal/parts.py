@@ -26,6 +26,7 @@ VERIFIED = frozenset(
         *("Qwen2VLModel", "Qwen2_5_VLModel", "Qwen3VLModel", "Qwen3VLMoeModel", "Qwen3_5Model"),
         *("Glm4vModel", "Glm4vMoeModel", "Glm46VModel"),  # video frames at the image token: no images + videos batch
         *("LlavaModel", "LlavaNextModel", "Mistral3Model", "InternVLModel", "Lfm2VlModel"),  # 1-D positions
+        *("AyaVisionModel", "Cohere2VisionModel", "LightOnOcrModel"),
         *IMAGE_BLOCK_MODELS,
     }
 )
