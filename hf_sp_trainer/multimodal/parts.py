@@ -26,7 +26,7 @@ VERIFIED = frozenset(
         *("Qwen2VLModel", "Qwen2_5_VLModel", "Qwen3VLModel", "Qwen3VLMoeModel", "Qwen3_5Model"),
         *("Glm4vModel", "Glm4vMoeModel", "Glm46VModel"),  # video frames at the image token: no images + videos batch
         *("LlavaModel", "LlavaNextModel", "Mistral3Model", "InternVLModel", "Lfm2VlModel"),  # 1-D positions
-        *("AyaVisionModel", "Cohere2VisionModel", "LightOnOcrModel"),
+        *("AyaVisionModel", "Cohere2VisionModel", "LightOnOcrModel", "Idefics3Model", "SmolVLMModel"),
         *IMAGE_BLOCK_MODELS,
     }
 )
@@ -38,19 +38,26 @@ def is_multimodal(model: torch.nn.Module) -> bool:
     return vlm_base(model) is not None or bool(encoder_config_keys(model))
 
 
+DECODER_ATTRS = ("language_model", "text_model")  # the text decoder inside a VLM base (Idefics3 / SmolVLM: text_model)
+
+
 def vlm_base(model: torch.nn.Module) -> torch.nn.Module | None:
     """The VLM base model (``model.model`` of a ``...ForConditionalGeneration``), which merges media features into
-    the token embeddings and calls ``language_model``; ``None`` for a text-only model."""
+    the token embeddings and calls its text decoder (``DECODER_ATTRS``); ``None`` for a text-only model."""
     for candidate in (model, getattr(model, "model", None)):
-        if candidate is not None and hasattr(candidate, "language_model") and hasattr(candidate, "get_image_features"):
+        if candidate is None or not hasattr(candidate, "get_image_features"):
+            continue
+        if any(isinstance(getattr(candidate, a, None), torch.nn.Module) for a in DECODER_ATTRS):
             return candidate
     return None
 
 
 def text_decoder(model: torch.nn.Module) -> torch.nn.Module:
-    """The text decoder SP attaches to: the VLM's ``language_model``, or the model itself."""
+    """The text decoder SP attaches to: the VLM's ``language_model`` (or ``text_model``), or the model itself."""
     base = vlm_base(model)
-    return base.language_model if base is not None else model
+    if base is None:
+        return model
+    return next(getattr(base, a) for a in DECODER_ATTRS if isinstance(getattr(base, a, None), torch.nn.Module))
 
 
 def encoder_config_keys(model: torch.nn.Module) -> list[str]:
@@ -111,7 +118,7 @@ def check_multimodal(model: PreTrainedModel, sp_size: int) -> None:
     base = vlm_base(model)
     if base is None:
         raise ValueError(
-            f"{name} has encoders ({', '.join(encoder_config_keys(model))}) but no base model with a language_model "
+            f"{name} has encoders ({', '.join(encoder_config_keys(model))}) but no base model with a text decoder "
             f"and get_image_features, so SP can't run in its text decoder alone. {fix}"
         )
     forward = inspect.signature(type(base).forward).parameters
