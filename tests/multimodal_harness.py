@@ -115,7 +115,9 @@ def idefics_config(family: str):
     vision = dict(model_type=f"{family}_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, image_size=16, patch_size=2)  # fmt: skip
     text = dict(tiny_vlm.TINY_TEXT, model_type="llama")
-    return CONFIG_MAPPING[family](vision_config=vision, text_config=text, scale_factor=2, image_token_id=IMG)
+    config = CONFIG_MAPPING[family](vision_config=vision, text_config=text, scale_factor=2, image_token_id=IMG)
+    config.pad_token_id = 0  # the default (128002) is outside the tiny vocabulary: SP pads with it
+    return config
 
 
 def lighton_ocr_config():
@@ -506,7 +508,7 @@ def run_matrix_without(cases: list[Case], sp_size: int) -> dict[str, dict]:
 # ----------------------------------------------------------------------------------------------------------------
 def pad_rows(features: list[dict]) -> dict[str, torch.Tensor]:
     """The reference collator: one right-padded row per document, the model computes its own positions."""
-    from hf_sp_trainer.collators.multimodal import MEDIA_KEYS
+    from hf_sp_trainer.collators.multimodal import MEDIA_KEYS, concat_media
 
     width = max(len(f["input_ids"]) for f in features)
     ids = torch.zeros(len(features), width, dtype=torch.long)
@@ -519,10 +521,12 @@ def pad_rows(features: list[dict]) -> dict[str, torch.Tensor]:
         types[i, : len(f["input_ids"])] = f["mm_token_type_ids"]
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
     batch["mm_token_type_ids"] = types
+    if "token_type_ids" in features[0]:  # Gemma3: its image mask
+        batch["token_type_ids"] = (types == 1).long()
     for key in MEDIA_KEYS:
         values = [f[key] for f in features if f.get(key) is not None]
         if values:
-            batch[key] = torch.cat(values)
+            batch[key] = concat_media(values)  # zero-padded where shapes differ, as the processors pad
     return batch
 
 

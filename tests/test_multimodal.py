@@ -128,6 +128,8 @@ TRAINER_CASES = {  # name: (family, world size, sp_size, ring, lora); the refere
     "qwen2_vl_lora_frozen_tower_sp2": ("qwen2_vl", 2, 2, None, True),
     "qwen3_vl_sp4_ring2_ga2": ("qwen3_vl", 4, 4, 2, False),
     "qwen2_vl_dp2_sp2": ("qwen2_vl", 4, 2, None, False),
+    "gemma3_sp2_ga2": ("gemma3", 2, 2, None, False),  # each image's tokens see the whole image
+    "smolvlm_sp2_ga2": ("smolvlm", 2, 2, None, False),  # 1-D positions, the decoder at text_model
 }
 
 
