@@ -74,6 +74,7 @@ SP4 = [
     Case("cohere2_vision", "mixed"),
     Case("lighton_ocr", "mixed"),
     Case("smolvlm", "mixed", ring=2),
+    Case("idefics3", "padded", ring=2),
 ]
 ULYSSES_ONLY = {"gemma3"}  # a ring is refused (tests/test_multimodal.py::test_gemma3_refuses_a_ring)
 
