@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from .planner_mixers import mixer_fixed, mixer_per_token
+from .planner_mixers import check_modeled_layers, mixer_fixed, mixer_per_token
 from .planner_vision import VisionShape, vision_memory
 from .topology import split_sp_size
 
@@ -52,7 +52,8 @@ CPU_RUNTIME_MIB = 485.0  # RSS of a bench_memory CPU worker before its measured 
 # AdamW states (Python, torch, transformers, the Trainer, gloo): 477-491 MiB in docs/benchmarks/*/memory.json base_mb
 CUDA_OVERHEAD_GIB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation: an assumption, not measured here
 MAX_LENGTH = 1 << 26  # the length search stops here
-MIXER_GRAD = 1  # a hybrid mixer's backward temporaries alive at once with its recomputed tensors (x its saved set)
+MIXER_GRAD = 1  # a hybrid mixer's backward temporaries alive at once with its saved tensors (x its saved set)
+MIXER_TRANSIENT = 0.15  # checkpointed: the recomputation's temporaries (x its saved set), alive with all it recomputed
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class ModelShape:
         kinds = list(getattr(text, "layer_types", None) or [])
         if not getattr(text, "intermediate_size", None):
             raise ValueError(f"{name or type(text).__name__}: no intermediate_size (only dense decoder-only models).")
+        check_modeled_layers(text, name or type(text).__name__)
         return cls(
             name=name or getattr(text, "_name_or_path", "") or text.model_type, hidden=text.hidden_size,
             intermediate=text.intermediate_size, layers=text.num_hidden_layers, heads=heads,
@@ -221,8 +223,10 @@ class Breakdown:
 
 def _hybrid_activations(m: ModelShape, s: Setting, ring: int, tokens: int, kind: str) -> dict[str, float]:
     """``_layer_activations`` for a GDN or conv layer: the mixer in place of the attention tensors. Checkpointing
-    (full or sequence_aware: nothing of a mixer is kept) recomputes it; its backward holds its recomputed tensors
-    and ``MIXER_GRAD`` times as much in gradients."""
+    (full or sequence_aware: nothing of a mixer is kept, ``recompute_region``) recomputes the whole layer when its
+    backward starts (plus ``MIXER_TRANSIENT`` of the mixer's saved set in temporaries); the mixer's own backward then
+    frees its recomputed tensors about as fast as its ``MIXER_GRAD`` x gradients grow. Fitted to
+    ``docs/benchmarks/hybrid/memory.json`` (``tests/test_planner.py``)."""
     b = 2 if s.dtype == "bf16" else 4
     h, i = m.hidden, m.intermediate
     norms = 2 * h * (8 + b)
@@ -237,8 +241,8 @@ def _hybrid_activations(m: ModelShape, s: Setting, ring: int, tokens: int, kind:
         mlp_ws = (MLP_SAVED + MLP_GRAD) * i * b * tile
     else:
         mlp_ws = MLP_GRAD * i * b * tokens
-    mlp_phase = recompute + mlp_ws + h * b * tokens
-    mixer_phase = (0.0 if s.checkpointing == "none" else norms / 2 * tokens + mixer) + MIXER_GRAD * mixer
+    mlp_phase = recompute + mlp_ws + h * b * tokens + (0.0 if s.checkpointing == "none" else MIXER_TRANSIENT * mixer)
+    mixer_phase = (0.0 if s.checkpointing == "none" else norms / 2 * tokens) + MIXER_GRAD * mixer
     return {"saved": saved, "checkpoint": checkpoint, "working_set": max(mlp_phase, mixer_phase)}
 
 

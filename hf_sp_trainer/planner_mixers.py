@@ -1,14 +1,40 @@
 """What the hybrid layers' mixers save per local token and per layer under SP, for the memory model (``planner``):
-Gated DeltaNet (Qwen3.5, Qwen3-Next) and LFM2's short conv. Counts follow transformers' torch code paths."""
+Gated DeltaNet (Qwen3.5, Qwen3-Next) and LFM2's short conv. Counts follow transformers' torch code paths; other
+mixers (Mamba2, lightning, Kimi delta attention) are refused by name (``check_modeled_layers``)."""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .planner import ModelShape
 
 GDN_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule chunk size
+LAYER_TYPE_FIELDS = ("layer_types", "layers_block_type", "block_types", "layers_type", "hybrid_override_pattern")
+ATTENTION_TYPES = re.compile(r"^(full_attention|sliding_attention|attention|chunked_attention|global|local)$")
+
+
+def unmodeled_layers(text) -> list[str]:
+    """The layer types of a text config the memory model has no count for (Mamba2 and Kimi delta attention, which
+    transformers also types ``linear_attention``, lightning attention, MLP-only layers, ...): it models attention,
+    Gated DeltaNet (``linear_attention`` with ``linear_num_value_heads``) and LFM2's short convs (``conv``)."""
+    field = next((f for f in LAYER_TYPE_FIELDS if getattr(text, f, None)), None)
+    kinds = getattr(text, field) if field else []
+    gdn = bool(getattr(text, "linear_num_value_heads", 0)) and "kimi" not in getattr(text, "model_type", "")
+    modeled = lambda kind: ATTENTION_TYPES.match(kind) or kind == "conv" or (gdn and kind == "linear_attention")  # noqa: E731
+    return sorted({str(kind) for kind in kinds if not modeled(str(kind))})
+
+
+def check_modeled_layers(text, name: str) -> None:
+    """A ``ValueError`` naming the layer types of ``text`` the memory model has no count for, if any."""
+    if unmodeled := unmodeled_layers(text):
+        raise ValueError(
+            f"{name}: the memory model has no count for its layer types {unmodeled}: it models attention, Gated "
+            "DeltaNet (Qwen3.5, Qwen3-Next) and short-conv (LFM2) layers; Mamba2, Kimi delta and lightning attention "
+            "layers (which transformers also types 'linear_attention') are not modeled yet. Measure such a model "
+            "with scripts/bench_memory.py."
+        )
 
 
 def gdn_core_floats(m: ModelShape, values: int) -> float:

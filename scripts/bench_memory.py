@@ -57,6 +57,12 @@ LLAMA_100M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                  num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5)  # fmt: skip
 
+QWEN35_TINY = dict(  # 3 Gated DeltaNet layers + 1 attention layer, Qwen3.5's layout at a small size
+    vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
+    linear_value_head_dim=32, layer_types=["linear_attention"] * 3 + ["full_attention"],
+)  # fmt: skip
+
 
 def model_config(name: str, max_len: int):
     import transformers
@@ -64,6 +70,8 @@ def model_config(name: str, max_len: int):
     if name == "tiny":  # the main job's model
         path = os.path.join(os.path.dirname(__file__), "..", "hf_sp_trainer", "data", "tiny_llama.json")
         config = transformers.LlamaConfig.from_json_file(path)
+    elif name == "qwen35-tiny":  # a hybrid: the planner's Gated DeltaNet layers
+        config = transformers.Qwen3_5TextConfig(**QWEN35_TINY)
     else:
         config = transformers.LlamaConfig(**{"100m": LLAMA_100M, "llama3-8b": LLAMA3_8B}[name])
     config.max_position_embeddings = max(max_len, config.max_position_embeddings)
@@ -288,7 +296,9 @@ def save_results(opts, rows: list[dict], searches: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", nargs="+", default=["tiny", "100m"], choices=["tiny", "100m", "llama3-8b"])
+    parser.add_argument(
+        "--model", nargs="+", default=["tiny", "100m"], choices=["tiny", "100m", "llama3-8b", "qwen35-tiny"]
+    )
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--combos", nargs="+", default=list(COMBOS), choices=list(COMBOS))
     parser.add_argument("--lengths", nargs="*", default=["4096", "8192", "16384"], help="N, or MODEL:N for one model")

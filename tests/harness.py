@@ -42,6 +42,7 @@ HYBRID_FAMILIES = {
     "qwen3_5": "Qwen3_5TextConfig",  # Gated DeltaNet (conv + delta rule) and gated full attention
     "lfm2": "Lfm2Config",  # gated short convolutions and attention
     "granitemoehybrid": "GraniteMoeHybridConfig",  # Granite-4.0-H: Mamba2 and attention, MoE
+    "minimax": "MiniMaxConfig",  # lightning (decayed linear) attention and full attention, MoE
 }
 # MoE families with the router's load-balancing loss on (a coefficient large enough to matter in every comparison)
 MOE_ROUTER_LOSS = {
@@ -80,6 +81,9 @@ FAMILY_OVERRIDES = {
         linear_conv_kernel_dim=4,
     ),  # fmt: skip
     "lfm2": dict(layer_types=["conv", "full_attention"], conv_L_cache=3, block_ff_dim=128),
+    "minimax": dict(
+        layer_types=["linear_attention", "full_attention"], block_size=8, num_local_experts=4, **MOE
+    ),  # blocks of 8: documents span several blocks and shards
     "granitemoehybrid": dict(
         layer_types=["mamba", "attention"],
         mamba_n_heads=4,

@@ -14,6 +14,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
 from hf_sp_trainer.attention.ring import document_bounds
 from hf_sp_trainer.mixers.causal_conv import sp_causal_conv1d
 from hf_sp_trainer.mixers.gated_deltanet import sp_chunk_gated_delta_rule
+from hf_sp_trainer.mixers.lightning import lightning_forward
 from hf_sp_trainer.mixers.mamba2 import sp_mamba2_chunk_scan
 from hf_sp_trainer.mixers.runs import shard_runs
 from hf_sp_trainer.sharding import SequenceSharding
@@ -190,6 +191,51 @@ def check_mamba2(
     return _max_over_ranks(result)
 
 
+def lightning_layer(block: int = 4, decay: float = 0.02, seed: int = 0):
+    """A tiny ``MiniMaxLightningAttention`` (2 heads of 8, ``block``-token blocks) with its slopes set to ``decay``
+    per token (weak: the state reaches across documents and ranks), and the modeling module."""
+    from transformers import MiniMaxConfig
+    from transformers.models.minimax import modeling_minimax as minimax
+
+    config = MiniMaxConfig(
+        hidden_size=16, num_attention_heads=2, head_dim=8, num_hidden_layers=2, block_size=block,
+        layer_types=["linear_attention", "full_attention"], intermediate_size=16, vocab_size=8,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    layer = minimax.MiniMaxLightningAttention(config, 0)
+    slope = torch.tensor([decay, decay / 4]).view(2, 1, 1)
+    names = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
+    for name, value in zip(names, (slope, *layer.decay_factors(slope)), strict=True):
+        setattr(layer, name, value)
+    return layer, minimax
+
+
+def check_lightning(
+    rows: list[list[int]], ring_size: int = 1, *, block: int = 4, carry_state: bool = True, relay: bool = False
+) -> dict[str, float]:
+    """MiniMax's lightning attention layer: its output, the input's gradient and every weight's gradient (summed
+    over the SP ranks), SP (``lightning_forward``) vs the installed forward on each document alone."""
+    topo, index, runs, total = _setup(rows, ring_size)
+    layer, minimax = lightning_layer(block)
+    forward = getattr(type(layer).forward, "_hf_sp_original", type(layer).forward)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(len(rows), total, 16, generator=gen).requires_grad_()
+    probe = torch.randn(x.shape, generator=gen)
+    ref = _per_document(lambda t: forward(layer, t, None, None)[0], rows, 1, x)
+    (ref * probe).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    xl = x.detach()[:, index].clone().requires_grad_()
+    padding = minimax.apply_mask_to_padding_states
+    out, _ = lightning_forward(layer, xl, None, runs, topo.sp_group, padding, relay=relay, carry_state=carry_state)
+    (out * probe[:, index]).sum().backward()
+    result = {"out": _rel(out.detach(), ref.detach()[:, index]), "x": _rel(xl.grad, x.grad[:, index])}
+    for name, p in layer.named_parameters():
+        dist.all_reduce(p.grad, group=topo.sp_group)
+        result[name] = _rel(p.grad, ref_grads[name])
+    return _max_over_ranks(result)
+
+
 def _no_initial_state(scan):
     def without(*args, initial_states=None, **kwargs):  # negative control: every run starts from zero
         if initial_states is not None:
@@ -207,7 +253,8 @@ def _max_over_ranks(result: dict[str, float]) -> dict[str, float]:
 
 
 def run_checks(cases: list[tuple[str, str, dict]]) -> dict[str, dict[str, float]]:
-    """In a spawned group: ``(name, "gdn" | "conv" | "mamba2", kwargs)`` cases in turn -> each case's differences."""
+    """In a spawned group: ``(name, "gdn" | "conv" | "mamba2" | "lightning", kwargs)`` cases in turn -> each
+    case's differences."""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    checks = {"gdn": check_gdn, "conv": check_conv, "mamba2": check_mamba2}
+    checks = {"gdn": check_gdn, "conv": check_conv, "mamba2": check_mamba2, "lightning": check_lightning}
     return {name: checks[kind](**kwargs) for name, kind, kwargs in cases}

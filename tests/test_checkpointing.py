@@ -105,6 +105,38 @@ def test_sequence_aware_skips_attention_recompute(attn, recomputed_kernel_ops):
         assert _max_rel(runs[policy][2], runs["off"][2]) == 0.0
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "minimax"])
+def test_sequence_aware_recomputes_the_hybrid_mixers(family):
+    """Inside the SP hybrid mixers (``recompute_region``) every op is recomputed: Gated DeltaNet's and lightning
+    attention's chunk matmuls (``bmm``, O(s)) run again in the backward as under full checkpointing, while the
+    attention layer's kernel is still saved; gradients equal the unchecked ones."""
+    from hf_sp_trainer.memory.checkpointing import sequence_aware_context_fn
+    from hf_sp_trainer.mixers.documents import keep_documents_apart
+    from hf_sp_trainer.mixers.swap import release_mixers
+
+    base = tiny_model(family).train()
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids, "position_ids": torch.cat([torch.arange(12), torch.arange(18)])[None]}
+    runs = {}
+    try:
+        for policy in ("off", "full", "sequence_aware"):
+            model = copy.deepcopy(base)
+            assert keep_documents_apart(model) is not None
+            if policy != "off":
+                model.activation_checkpointing_enable()
+            if policy == "sequence_aware":
+                wrap_checkpointed_layers(model, sequence_aware_context_fn)
+            runs[policy] = _forward_backward(model, inputs)
+    finally:
+        release_mixers()
+    bmm = "aten.bmm.default"
+    assert runs["off"][0][bmm] > 0 and runs["off"][1][ATTENTION_OP] == 0
+    assert runs["sequence_aware"][1][bmm] == runs["full"][1][bmm] > runs["off"][1][bmm]
+    assert runs["full"][1][ATTENTION_OP] > 0 and runs["sequence_aware"][1][ATTENTION_OP] == 0
+    for policy in ("full", "sequence_aware"):
+        assert _max_rel(runs[policy][2], runs["off"][2]) == 0.0
+
+
 def test_offload_hooks_move_the_checkpointed_hidden_states():
     """The CUDA path's hooks with host copies on CPU: one hidden state per layer leaves and comes back exactly."""
     base = tiny_model("qwen3").train()

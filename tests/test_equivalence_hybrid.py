@@ -1,7 +1,7 @@
-"""Hybrid models (Qwen3.5's Gated DeltaNet, LFM2's short convolutions, Granite-4.0-H's Mamba2) under SP: SPTrainer
-on 2 and 4 gloo processes trains exactly like plain Trainer in one process, whose rows are one document each
-(transformers' own forward leaks these layers' state across packed documents; SP keeps every document apart, at
-every sp_size)."""
+"""Hybrid models (Qwen3.5's Gated DeltaNet, LFM2's short convolutions, Granite-4.0-H's Mamba2, MiniMax's lightning
+attention) under SP: SPTrainer on 2 and 4 gloo processes trains exactly like plain Trainer in one process, whose rows
+are one document each (transformers' own forward leaks these layers' state across packed documents; SP keeps every
+document apart, at every sp_size)."""
 
 import pytest
 import torch
@@ -39,11 +39,14 @@ WORLD2 = [
     Case("granite4h_mamba2_sgd_ga2", family="granitemoehybrid", grad_accum=2, **SGD),  # Mamba2 + attention + MoE
     Case("relay_qwen3_5_gdn", family="qwen3_5", sp_overrides=RELAY, **SGD),
     Case("relay_granite4h_mamba2", family="granitemoehybrid", sp_overrides=RELAY, **SGD),
+    Case("minimax_lightning_sgd_ga2", family="minimax", grad_accum=2, **SGD),  # lightning attention + MoE
+    Case("ring2_minimax_lightning", family="minimax", sp_overrides=RING2, **SGD),
 ]
 WORLD4 = [
     Case("sp4_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, **SGD),  # a document over >= 3 ranks
     Case("hybrid2x2_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, sp_overrides=RING2, **SGD),
     Case("dp2sp2_lfm2_short_conv", family="lfm2", sp_size=2, world_size=4, **SGD),
+    Case("sp4_minimax_lightning", family="minimax", sp_size=4, world_size=4, **SGD),
     Case("relay_hybrid2x2_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, sp_overrides=RING2 | RELAY, **SGD),
 ]
 
@@ -52,7 +55,7 @@ WORLD4 = [
 def test_reference_keeps_documents_apart_and_packing_would_not():
     """Negative control for the reference: transformers' packed forward of a hybrid model differs from its forward
     of each document alone (the state leaks), while the padded rows the references train on do not."""
-    for family in ("qwen3_5", "lfm2", "granitemoehybrid"):
+    for family in ("qwen3_5", "lfm2", "granitemoehybrid", "minimax"):
         model = tiny_model(family).eval()
         g = torch.Generator().manual_seed(0)
         docs = [torch.randint(3, 128, (n,), generator=g) for n in (13, 9)]
@@ -107,7 +110,7 @@ def _sp1_run(family: str, collator, sp_trainer: bool, out_dir: str) -> dict:
     return {"losses": losses, "params": torch.cat([p.detach().flatten() for p in model.parameters()])}
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "minimax"])
 def test_sp_size_1_keeps_packed_documents_apart(family, tmp_path):
     """SPTrainer(sp_size=1) on position_ids-packed rows trains like plain Trainer on one document per row; plain
     Trainer on the same packed rows does not (transformers' hybrid layers leak across documents)."""

@@ -1,10 +1,10 @@
 """The hybrid mixers' SP kernels (``hf_sp_trainer.mixers``: conv halo, state passing for Gated DeltaNet, Kimi
-delta attention and Mamba2) against transformers' own kernels run on each document alone, over the layouts where a
-cross-rank bug would show: a document starting inside a shard, exactly at a shard start, 1-2 tokens before it
-(inside the conv halo), one document over every shard, 1-token documents, shards shorter than the conv width, runs
-not aligned to the kernel's chunks, two rows with different documents; Ulysses (sp 2, 3, 4) and zigzag rings.
-Negative controls: state passing off and the halo off must fail the same comparison. ``relay_`` cases: the state
-handed rank to rank (``tests/test_mixers_relay.py``)."""
+delta attention, Mamba2 and MiniMax's lightning attention) against transformers' own kernels run on each document
+alone, over the layouts where a cross-rank bug would show: a document starting inside a shard, exactly at a shard
+start, 1-2 tokens before it (inside the conv halo), one document over every shard, 1-token documents, shards shorter
+than the conv width, runs not aligned to the kernel's chunks, two rows with different documents; Ulysses (sp 2, 3, 4)
+and zigzag rings. Negative controls: state passing off and the halo off must fail the same comparison. ``relay_``
+cases: the state handed rank to rank (``tests/test_mixers_relay.py``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 
 from tests.harness import run_distributed, unwrap_results
 from tests.mixer_harness import run_checks
+from tests.test_mixers_lightning import lightning_cases
 from tests.test_mixers_mamba2 import mamba2_cases
 from tests.test_mixers_relay import relay_cases
 
@@ -68,6 +69,8 @@ def _cases(world: int) -> list[tuple[str, str, dict]]:
         cases += [(f"control_{name}", kind, kwargs) for name, (kind, kwargs) in CONTROLS.items()]
     for ring in (1, 2) if world == 4 else (1,):
         cases += mamba2_cases(world, ring)
+    for ring in (1, 2) if world != 3 else (1,):
+        cases += lightning_cases(world, ring)
     return cases + relay_cases(world)
 
 

@@ -17,7 +17,6 @@ REFUSED = {  # model type, class: what the error must name
     "mamba": ("MambaForCausalLM", ["MambaMixer", "mamba_selective_scan", "no exact version"]),
     "falcon_mamba": ("FalconMambaForCausalLM", ["FalconMambaMixer", "mamba_selective_scan"]),
     "zamba": ("ZambaForCausalLM", ["ZambaMambaMixer", "mamba_selective_scan"]),
-    "minimax": ("MiniMaxForCausalLM", ["MiniMaxLightningAttention"]),
     "recurrent_gemma": ("RecurrentGemmaForCausalLM", ["RecurrentGemmaRecurrentBlock"]),
     "doge": ("DogeForCausalLM", ["DogeAttention", "computes its own mask"]),
     "deepseek_v32": ("DeepseekV32ForCausalLM", ["DeepseekV32Attention", "top-k selection"]),
@@ -55,6 +54,7 @@ COVERED = {  # hybrid models whose mixers SP runs exactly (hf_sp_trainer.mixers.
     "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridMambaLayer"),
     "falcon_h1": ("FalconH1ForCausalLM", "FalconH1Mixer"),
     "zamba2": ("Zamba2ForCausalLM", "Zamba2MambaMixer"),
+    "minimax": ("MiniMaxForCausalLM", "MiniMaxLightningAttention"),  # no kernel function: its forward is swapped
 }
 
 

@@ -233,11 +233,44 @@ def test_cli_refuses_an_impossible_split(capsys):
     assert main(["--model", TINY, "--gpus", "8", "--sp", "8", "--ring", "3", "--gpu-memory-gib", "80"]) == 2
 
 
-QWEN35_TINY = dict(  # 3 Gated DeltaNet layers + 1 attention layer, Qwen3.5's layout at a small size
-    vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
-    linear_value_head_dim=32, layer_types=["linear_attention"] * 3 + ["full_attention"],
-)  # fmt: skip
+def qwen35_tiny() -> dict:
+    """3 Gated DeltaNet layers + 1 attention layer, Qwen3.5's layout at a small size (bench_memory's qwen35-tiny)."""
+    return bench_memory().QWEN35_TINY
+
+
+QWEN35_TINY = qwen35_tiny()
+HYBRID_MEASUREMENTS = os.path.join(ROOT, "docs", "benchmarks", "hybrid", "memory.json")
+
+
+def test_hybrid_measurements_within_tolerance():
+    """scripts/bench_memory.py on the Qwen3.5-shaped model (sp 1 and 2; plain, checkpointed, the memory stack): the
+    whole peak and the step's own memory, as for the dense rows."""
+    shape = ModelShape.from_config(transformers.Qwen3_5TextConfig(**QWEN35_TINY), "qwen35-tiny")
+    with open(HYBRID_MEASUREMENTS) as f:
+        rows = json.load(f)["rows"]
+    assert {r["sp"] for r in rows} == {1, 2} and len(rows) >= 12
+    failures, lines = [], []
+    for row in rows:
+        c = compare(shape, row)
+        lines.append(f"sp{row['sp']} {row['combo']:>12} {row['length']:>6}: measured {c['measured']:6.0f} predicted "
+                     f"{c['predicted']:6.0f} MiB ({c['error']:+.1%}); step {c['step_measured']:5.0f} vs "
+                     f"{c['step_predicted']:5.0f} ({c['step_error']:+.1%})")  # fmt: skip
+        if abs(c["error"]) > TOLERANCE or (c["step_measured"] >= STEP_FLOOR_MB and abs(c["step_error"]) > TOLERANCE):
+            failures.append(lines[-1])
+    print("\n".join(lines))
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize(
+    "model_type", ["bamba", "granitemoehybrid", "minimax", "kimi_linear", "nemotron_h", "falcon_h1"]
+)
+def test_unmodeled_hybrid_layers_are_refused(model_type):
+    """Mamba2, lightning and Kimi delta attention layers (typed ``linear_attention`` by transformers, like GDN) and
+    MLP-only layers have no count in the memory model: refused by name, never estimated as attention or GDN."""
+    from tests.family_harness import tiny_config
+
+    with pytest.raises(ValueError, match="the memory model has no count for its layer types"):
+        ModelShape.from_config(tiny_config(model_type))
 
 
 def test_hybrid_shape_and_parameters():

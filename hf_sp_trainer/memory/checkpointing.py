@@ -7,13 +7,15 @@ With ``activation_checkpointing`` every decoder layer runs through ``layer._grad
   of the sequence-level ops, the ones whose recomputation costs ``O(s^2)`` work or communication: the attention
   kernels (SDPA backends, flash-attn, flex attention; ``bmm`` / ``softmax`` of eager attention) and the Ulysses
   all-to-alls (the ``hf_sp_trainer::all_to_all`` op); every other op (projections, MLP, norms, RoPE: ``O(s)``) is
-  recomputed. Exact: saved values are the ones the recomputation would produce.
+  recomputed, and so is everything inside a hybrid mixer (``recompute_region``: its chunk matmuls are ``O(s)``).
+  Exact: saved values are the ones the recomputation would produce.
 - ``activation_offloading`` moves what the checkpoint itself saves, the layer's input hidden states, to host memory
   (``offload.HostOffload``); on CPU there is no device memory to free and it is a no-op (with a warning).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -62,8 +64,25 @@ def _is_saved(op) -> bool:
     return op in saved_ops() or "flash_attn" in str(op)
 
 
+_RECOMPUTE_DEPTH = [0]  # how many recompute_region()s are open
+
+
+@contextlib.contextmanager
+def recompute_region():
+    """Ops run inside are recomputed under ``sequence_aware``, whatever they are: the SP hybrid mixers (``mixers/``)
+    run their chunked recurrences through ``bmm`` / ``softmax``, ``O(s)`` work that would otherwise be saved as if
+    it were attention. Entered in the forward and in its recomputation alike, so both make the same decisions."""
+    _RECOMPUTE_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _RECOMPUTE_DEPTH[0] -= 1
+
+
 def sequence_aware_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     # called for every op of every recomputed layer: the decision is cached per op
+    if _RECOMPUTE_DEPTH[0]:
+        return CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.MUST_SAVE if _is_saved(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 

@@ -37,6 +37,9 @@ SP_KERNELS = (
     "mamba2_split_conv1d_scan_combined",
     "chunk_kimi_delta_attention",
 )
+# Mixer classes with no kernel function to hook, whose forward hf_sp_trainer.mixers.swap replaces with an exact SP
+# version (checked against the installed forward): MiniMax's lightning attention.
+SP_MODULES = ("MiniMaxLightningAttention",)
 # Kernels of cached decoding only (unreachable under SP, which runs without a cache; swapped to raise if reached).
 DECODE_ONLY_KERNELS = (
     "causal_conv1d_update",
@@ -47,8 +50,8 @@ DECODE_ONLY_KERNELS = (
 # Names of functions that mix the sequence (a mixer calling one not in SP_KERNELS is not covered).
 MIXING_FUNCTION = re.compile(r"conv|delta|scan|selective|recurren|lightning|ssd|wkv|lstm|mamba|rglru", re.I)
 HYBRID_ADVICE = (
-    "Use sp_size=1 for this model (hf_sp_trainer.mixers runs Gated DeltaNet, Kimi delta attention, Mamba2 and short "
-    "convolutions exactly under SP; this layer is none of those)."
+    "Use sp_size=1 for this model (hf_sp_trainer.mixers runs Gated DeltaNet, Kimi delta attention, Mamba2, short "
+    "convolutions and MiniMax's lightning attention exactly under SP; this layer is none of those)."
 )
 
 
@@ -108,10 +111,13 @@ def _is_mixer_class(model: torch.nn.Module, cls: type) -> bool:
 
 def covered_mixers(model: torch.nn.Module) -> set[str]:
     """Paths of the mixers SP runs exactly: state-space / linear / conv layers whose forward mixes the sequence only
-    through ``SP_KERNELS`` (never calling a convolution module of their own)."""
+    through ``SP_KERNELS`` (never calling a convolution module of their own), and those of ``SP_MODULES``."""
     covered = set()
     for name, module in model.named_modules():
         if not _is_mixer_class(model, type(module)) or any(name.startswith(f"{c}.") for c in covered):
+            continue
+        if type(module).__name__ in SP_MODULES:
+            covered.add(name)
             continue
         calls = _global_calls(type(module))
         mixing = {c for c in calls if MIXING_FUNCTION.search(c)}

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from .linear_state import incoming_states, touch
-from .relay import relay_runs
-from .runs import Run, ShardRuns
+from .relay import relay_runs, segment_step
+from .runs import ShardRuns
 
 
 def sp_chunk_gated_delta_rule(
@@ -54,20 +54,7 @@ def sp_chunk_gated_delta_rule(
         return core(q, k, v, gate, b_, initial_state=state, output_final_state=final, **options)
 
     if relay:
-
-        def step(run: Run, state_in: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-            rows, finals = [], []
-            for row in range(b):
-                slices, continues = runs.segments(row, run)
-                pieces = []
-                for n, sl in enumerate(slices):
-                    start = state_in[row : row + 1] if n == 0 and continues and state_in is not None else None
-                    out, final = call(row, sl, value[row : row + 1, sl], start, n == len(slices) - 1)
-                    pieces.append(out)
-                rows.append(torch.cat(pieces, dim=1))
-                finals.append(final.float())
-            return torch.cat(rows, dim=0), torch.cat(finals, dim=0)
-
+        step = segment_step(runs, b, lambda row, sl, state: call(row, sl, value[row : row + 1, sl], state, True))
         anchor = sum(t.reshape(-1)[0] for t in (query, key, value, g, beta))
         pieces, token = relay_runs(step, runs, (b, v_heads, k_dim, v_dim), anchor, group)
         return touch(torch.cat(pieces, dim=1), token), None

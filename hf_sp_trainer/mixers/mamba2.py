@@ -20,8 +20,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .linear_state import incoming_states, touch
-from .relay import relay_runs
-from .runs import Run, ShardRuns
+from .relay import relay_runs, segment_step
+from .runs import ShardRuns
 
 
 def step_sizes(
@@ -82,20 +82,7 @@ def sp_mamba2_chunk_scan(
         )
 
     if relay:
-
-        def step(run: Run, state_in: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-            rows, finals = [], []
-            for row in range(b):
-                slices, continues = runs.segments(row, run)
-                pieces = []
-                for n, sl in enumerate(slices):
-                    start = state_in[row : row + 1] if n == 0 and continues and state_in is not None else None
-                    out, final = call(row, sl, x[row : row + 1, sl], start, False, True)
-                    pieces.append(out)
-                rows.append(torch.cat(pieces, dim=1))
-                finals.append(final.float())
-            return torch.cat(rows, dim=0), torch.cat(finals, dim=0)
-
+        step = segment_step(runs, b, lambda row, sl, state: call(row, sl, x[row : row + 1, sl], state, False, True))
         anchor = sum(t.reshape(-1)[0] for t in (x, dt, A, B, C))
         pieces, token = relay_runs(step, runs, (b, heads, head_dim, state_size), anchor, group)
         return touch(torch.cat(pieces, dim=1), token).contiguous()

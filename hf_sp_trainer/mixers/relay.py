@@ -50,6 +50,28 @@ class _Send(torch.autograd.Function):
 
 
 RunStep = Callable[[Run, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+SegmentScan = Callable[[int, slice, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+
+
+def segment_step(runs: ShardRuns, rows: int, scan: SegmentScan) -> RunStep:
+    """The ``step`` of ``relay_runs`` for a mixer whose ``scan(row, shard slice, S_in or None) -> (output
+    [1, n, ...], final state [1, ...])`` runs one document segment of one row: each row of the run cut at its
+    document starts, the first segment started from the received state when it continues a document."""
+
+    def step(run: Run, state_in: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        outputs, finals = [], []
+        for row in range(rows):
+            slices, continues = runs.segments(row, run)
+            pieces = []
+            for n, sl in enumerate(slices):
+                carried = n == 0 and continues and state_in is not None
+                out, final = scan(row, sl, state_in[row : row + 1] if carried else None)
+                pieces.append(out)
+            outputs.append(torch.cat(pieces, dim=1))
+            finals.append(final.float())
+        return torch.cat(outputs, dim=0), torch.cat(finals, dim=0)
+
+    return step
 
 
 def relay_runs(

@@ -19,11 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from ..attention.ulysses import BOUNDS_KWARG
+from ..memory.checkpointing import recompute_region
 from ..sharding import SequenceSharding
 from ..topology import SPTopology
 from .causal_conv import sp_causal_conv1d
-from .detect import DECODE_ONLY_KERNELS, SP_KERNELS, covered_mixers
+from .detect import DECODE_ONLY_KERNELS, SP_KERNELS, SP_MODULES, covered_mixers
 from .gated_deltanet import sp_chunk_gated_delta_rule
+from .lightning import lightning_forward
 from .mamba2 import run_decay, sp_mamba2_chunk_scan, step_sizes
 from .runs import shard_runs
 
@@ -71,7 +73,8 @@ def _conv_entry(original: Callable) -> Callable:
             return original(hidden_states, weight, bias, activation=activation, **kwargs)
         ctx = _CONTEXT[-1]
         runs = ctx.runs(bounds, hidden_states.shape[0])
-        return sp_causal_conv1d(hidden_states, weight, bias, activation, runs, ctx.group)
+        with recompute_region():
+            return sp_causal_conv1d(hidden_states, weight, bias, activation, runs, ctx.group)
 
     return causal_conv1d_fn
 
@@ -88,7 +91,10 @@ def _gdn_entry(original: Callable) -> Callable:
             k: kwargs[k] for k in ("initial_state", "output_final_state", "use_qk_l2norm_in_kernel") if k in kwargs
         }
         core = functools.partial(original, chunk_size=chunk_size)
-        return sp_chunk_gated_delta_rule(core, query, key, value, g, beta, runs, ctx.group, relay=ctx.relay, **options)
+        with recompute_region():
+            return sp_chunk_gated_delta_rule(
+                core, query, key, value, g, beta, runs, ctx.group, relay=ctx.relay, **options
+            )
 
     return torch_chunk_gated_delta_rule
 
@@ -105,9 +111,10 @@ def _mamba2_entry(original: Callable) -> Callable:
         runs = ctx.runs(bounds, hidden_states.shape[0])
         options = {k: kwargs[k] for k in ("dt_softplus", "dt_limit") if k in kwargs}
         scan = functools.partial(original, chunk_size=chunk_size)
-        return sp_mamba2_chunk_scan(
-            scan, hidden_states, dt, A, B, C, runs, ctx.group, D=D, dt_bias=dt_bias, relay=ctx.relay, **options
-        )
+        with recompute_region():
+            return sp_mamba2_chunk_scan(
+                scan, hidden_states, dt, A, B, C, runs, ctx.group, D=D, dt_bias=dt_bias, relay=ctx.relay, **options
+            )
 
     return mamba2_chunk_scan
 
@@ -135,6 +142,26 @@ def _decode_only_entry(original: Callable) -> Callable:
     return decode_kernel
 
 
+def _lightning_entry(original: Callable) -> Callable:
+    """MiniMax's lightning attention: its forward with the recurrence run by ``lightning_forward`` under SP."""
+    padding = sys.modules[original.__module__].apply_mask_to_padding_states
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, *args, **kwargs):
+        bounds = kwargs.get(BOUNDS_KWARG)
+        if bounds is None or not _CONTEXT:
+            return original(self, hidden_states, *args, **kwargs)
+        if args or kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            raise ValueError("Lightning attention under sequence parallelism runs without a cache (use_cache=False).")
+        ctx = _CONTEXT[-1]
+        runs = ctx.runs(bounds, hidden_states.shape[0])
+        mask = kwargs.get("attention_mask")
+        with recompute_region():
+            return lightning_forward(self, hidden_states, mask, runs, ctx.group, padding, relay=ctx.relay)
+
+    return forward
+
+
 ENTRIES: dict[str, Callable[[Callable], Callable]] = {
     "causal_conv1d_fn": _conv_entry,
     "torch_chunk_gated_delta_rule": _gdn_entry,
@@ -143,6 +170,9 @@ ENTRIES: dict[str, Callable[[Callable], Callable]] = {
     "mamba2_split_conv1d_scan_combined": _unfused_entry,
 }
 assert set(ENTRIES) == set(SP_KERNELS), "detect.SP_KERNELS must name exactly the swapped kernels"
+# Mixer classes whose forward is swapped (no kernel function to hook): class name -> entry
+MODULE_ENTRIES: dict[str, Callable[[Callable], Callable]] = {"MiniMaxLightningAttention": _lightning_entry}
+assert set(MODULE_ENTRIES) == set(SP_MODULES), "detect.SP_MODULES must name exactly the swapped classes"
 
 
 def attach_mixers(
@@ -171,6 +201,14 @@ def attach_mixers(
                 wrapped._hf_sp_original = fn
                 setattr(module, name, wrapped)
             swapped.append(f"{module_name}.{name}")
+    for cls in sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__):
+        if cls.__name__ in MODULE_ENTRIES:
+            if not hasattr(cls.forward, "_hf_sp_original"):
+                check_module(cls, cls.forward)
+                wrapped = MODULE_ENTRIES[cls.__name__](cls.forward)
+                wrapped._hf_sp_original = cls.forward
+                cls.forward = wrapped
+            swapped.append(f"{cls.__module__}.{cls.__name__}.forward")
     _CONTEXT[:] = [MixerContext(topology, sharding, state_passing)]
     return swapped
 
@@ -192,6 +230,9 @@ def check_mixer_kernels(model: torch.nn.Module) -> None:
             fn = getattr(module, name, None)
             if fn is not None:
                 check_kernel(module_name, name, getattr(fn, "_hf_sp_original", fn))
+    for cls in {type(m) for m in model.modules()}:
+        if cls.__name__ in MODULE_ENTRIES:
+            check_module(cls, getattr(cls.forward, "_hf_sp_original", cls.forward))
 
 
 def release_mixers() -> None:
@@ -210,6 +251,42 @@ def check_kernel(module_name: str, name: str, fn: Callable) -> None:
             f"{module_name}.{name} no longer computes what hf_sp_trainer's sequence-parallel version of it assumes "
             "(this transformers version changed it); use sp_size=1 for this model or a supported transformers."
         )
+
+
+def check_module(cls: type, forward: Callable) -> None:
+    """Raise unless the installed ``cls.forward`` still computes what its SP replacement computes (a small
+    instance of ``cls`` on a CPU input: each document alone, as the replacement runs it at sp_size 1)."""
+    if not _MODULE_CHECKS[cls.__name__](cls, forward):
+        raise ValueError(
+            f"{cls.__module__}.{cls.__name__}.forward no longer computes what hf_sp_trainer's sequence-parallel "
+            "version of it assumes (this transformers version changed it); use sp_size=1 for this model or a "
+            "supported transformers."
+        )
+
+
+@functools.cache
+def _lightning_ok(cls: type, forward: Callable) -> bool:
+    """Two documents (of 10 and 9 tokens, blocks of 4: three blocks each, partial ones, a start inside one)
+    through the replacement at sp_size 1 equal the installed forward run on each document alone."""
+    module_globals = sys.modules[cls.__module__]
+    config_cls = next(v for k, v in vars(module_globals).items() if k.endswith("Config") and isinstance(v, type))
+    config = config_cls(
+        hidden_size=16, num_attention_heads=2, head_dim=8, num_hidden_layers=2, block_size=4,
+        layer_types=["linear_attention", "full_attention"], intermediate_size=16, vocab_size=8,
+    )  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        layer = cls(config, 0).float()
+        hidden = torch.randn(1, 19, 16)
+    with torch.no_grad():
+        alone = torch.cat([forward(layer, hidden[:, s:e], None, None)[0] for s, e in ((0, 10), (10, 19))], dim=1)
+        runs = shard_runs(torch.tensor([0, 10, 19]), 1, SequenceSharding(1), 0)
+        padding = module_globals.apply_mask_to_padding_states
+        ours = lightning_forward(layer, hidden, None, runs, None, padding)[0]
+    return float((ours - alone).norm()) <= 1e-5 * float(alone.norm())
+
+
+_MODULE_CHECKS: dict[str, Callable[[type, Callable], bool]] = {"MiniMaxLightningAttention": _lightning_ok}
 
 
 @functools.cache
