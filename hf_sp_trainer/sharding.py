@@ -30,6 +30,7 @@ _LABEL_KEYS = ("labels", "shift_labels")
 MEDIA_KEYS = (
     *("pixel_values", "image_grid_thw", "image_sizes", "spatial_shapes", "pixel_attention_mask"),
     *("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"),
+    "batch_num_images",  # LLaVA-OneVision: images per example (several skip the tiles), one entry per document
 )
 
 

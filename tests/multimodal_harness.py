@@ -52,11 +52,15 @@ FAMILIES = {
     "lighton_ocr": "LightOnOcrForConditionalGeneration",  # Pixtral (images of any size) + a Qwen3 decoder
     "idefics3": "Idefics3ForConditionalGeneration",  # its decoder is text_model; pixel_values [b, images, 3, h, w]
     "smolvlm": "SmolVLMForConditionalGeneration",
+    "idefics2": "Idefics2ForConditionalGeneration",  # a perceiver resampler (16 latents) + a Mistral decoder
+    "got_ocr2": "GotOcr2ForConditionalGeneration",  # a SAM tower (windowed, relative positions), strided convs, Qwen2
+    "llava_onevision": "LlavaOnevisionForConditionalGeneration",  # LLaVA-Next's tiles, but not in multi-image examples
 }
 PIXTRAL = ("mistral3", "lighton_ocr")  # images of any size, [IMG_BREAK] rows
 SHUFFLED = ("aya_vision", "cohere2_vision")  # 16 x 16 pixels, 2 x 2 patches, pixel-shuffled by 2: 16 placeholders
-IDEFICS = ("idefics3", "smolvlm")  # the same tower shape, images per example in a batch dim of their own
-ONE_D = ("llava", "internvl", "llava_next", "lfm2_vl", "gemma3", *PIXTRAL, *SHUFFLED, *IDEFICS)  # 1-D positions
+IDEFICS = ("idefics3", "smolvlm", "idefics2")  # the same tower shape, images per example in a batch dim of their own
+TILED = ("llava_next", "llava_onevision")  # any-resolution tiles, a newline feature per row
+ONE_D = ("llava", "internvl", *TILED, "lfm2_vl", "gemma3", "got_ocr2", *PIXTRAL, *SHUFFLED, *IDEFICS)  # 1-D
 GEMMA3_IMAGE = 16  # a SigLIP tower on 16 x 16 pixels, 2 x 2 patches, average-pooled to 4 x 4 = 16 placeholders
 IMG_BREAK, IMG_END = 124, 125  # Mistral3's row-break and end tokens (text tokens, no features)
 LLAVA_IMAGE, LLAVA_PATCH = tiny_vlm.IMAGE_SIZE, tiny_vlm.PATCH  # the package's tiny LLaVA: 16 placeholders an image
@@ -109,13 +113,20 @@ def shuffled_config(family: str):
 
 
 def idefics_config(family: str):
-    """Idefics3 / SmolVLM: a SigLIP-like tower on 16 x 16 pixels, pixel shuffle by 2, a Llama decoder."""
+    """Idefics3 / SmolVLM: a SigLIP-like tower on 16 x 16 pixels, pixel shuffle by 2, a Llama decoder; Idefics2: the
+    same tower, a perceiver resampler to 16 latents, a Mistral decoder."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     vision = dict(model_type=f"{family}_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, image_size=16, patch_size=2)  # fmt: skip
-    text = dict(tiny_vlm.TINY_TEXT, model_type="llama")
-    config = CONFIG_MAPPING[family](vision_config=vision, text_config=text, scale_factor=2, image_token_id=IMG)
+    text = dict(tiny_vlm.TINY_TEXT, model_type="mistral" if family == "idefics2" else "llama")
+    if family == "idefics2":  # the perceiver resamples every image to 16 latents
+        perceiver = dict(hidden_size=64, rms_norm_eps=1e-6, resampler_n_latents=16, resampler_depth=2,
+                         resampler_n_heads=2, resampler_head_dim=16, num_key_value_heads=1)  # fmt: skip
+        config = CONFIG_MAPPING[family](vision_config=vision, text_config=text, perceiver_config=perceiver,
+                                        image_token_id=IMG)  # fmt: skip
+    else:
+        config = CONFIG_MAPPING[family](vision_config=vision, text_config=text, scale_factor=2, image_token_id=IMG)
     config.pad_token_id = 0  # the default (128002) is outside the tiny vocabulary: SP pads with it
     return config
 
@@ -128,8 +139,19 @@ def lighton_ocr_config():
     return LightOnOcrConfig(vision_config=base.vision_config.to_dict(), text_config=text, image_token_id=IMG)
 
 
+def got_ocr2_config():
+    """GOT-OCR2: a SAM tower on 16 x 16 pixels (1 x 1 patches, windows of 4, one global layer), two stride-2 convs to
+    4 x 4 = 16 placeholders, a Qwen2 decoder."""
+    from transformers import GotOcr2Config
+
+    vision = dict(hidden_size=32, output_channels=16, num_hidden_layers=2, num_attention_heads=4, image_size=16,
+                  patch_size=1, window_size=4, global_attn_indexes=[1], mlp_dim=64)  # fmt: skip
+    text = dict(tiny_vlm.TINY_TEXT, model_type="qwen2")
+    return GotOcr2Config(vision_config=vision, text_config=text, image_token_index=IMG, image_seq_length=16)
+
+
 def placeholders_per_image(family: str) -> int:
-    if family in ("gemma3", *SHUFFLED, *IDEFICS):
+    if family in ("gemma3", "got_ocr2", *SHUFFLED, *IDEFICS):
         return 16
     return (LLAVA_IMAGE // LLAVA_PATCH) ** 2 if family == "llava" else (INTERNVL_TILE // 2) ** 2 // 4
 
@@ -149,6 +171,17 @@ def llava_next_config():
         vision_feature_layer=-1,
     )
     return config
+
+
+def llava_onevision_config():
+    from transformers import LlavaOnevisionConfig
+
+    base = tiny_llava_config()
+    return LlavaOnevisionConfig(
+        vision_config=base.vision_config.to_dict(), text_config=base.text_config.to_dict(), image_token_index=IMG,
+        image_grid_pinpoints=PINPOINTS, vision_feature_layer=-1, vision_aspect_ratio="anyres_max_9",
+        vision_feature_select_strategy="default",
+    )  # fmt: skip
 
 
 def mistral3_config():
@@ -175,17 +208,21 @@ def lfm2_vl_config():
 _LLAVA_NEXT = {}
 
 
-def llava_next_image(size: tuple[int, int], g: torch.Generator) -> tuple[torch.Tensor, int]:
+def llava_next_image(
+    size: tuple[int, int], g: torch.Generator, family: str = "llava_next", images: int = 1
+) -> tuple[torch.Tensor, int]:
     """An image of ``size`` pixels as LLaVA-Next's processor gives it (the base view and its tiles, ``[patches, 3,
-    8, 8]``) and its placeholder count, read from the model's own ``get_image_features``."""
+    8, 8]``) and its placeholder count, read from the model's own ``get_image_features`` (LLaVA-OneVision: in an
+    example of several ``images`` only the base view is encoded)."""
     from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
     patches = image_size_to_num_patches(size, PINPOINTS, LLAVA_IMAGE)
     pixels = torch.randn(patches, 3, LLAVA_IMAGE, LLAVA_IMAGE, generator=g)
-    if "model" not in _LLAVA_NEXT:
-        _LLAVA_NEXT["model"] = build_vlm("llava_next")
+    if family not in _LLAVA_NEXT:
+        _LLAVA_NEXT[family] = build_vlm(family)
+    extra = {"batch_num_images": torch.tensor([images])} if family == "llava_onevision" else {}
     with torch.no_grad():
-        rows = _LLAVA_NEXT["model"].model.get_image_features(pixels[None], torch.tensor([size])).pooler_output
+        rows = _LLAVA_NEXT[family].model.get_image_features(pixels[None], torch.tensor([size]), **extra).pooler_output
     return pixels, sum(r.shape[0] for r in rows)
 
 
@@ -259,13 +296,15 @@ def build_vlm(family: str = "qwen2_vl", seed: int = 0):
     from tests.harness import weak_decay
 
     configs = {"llava": tiny_llava_config, "internvl": internvl_config, "llava_next": llava_next_config}
+    configs["llava_onevision"] = llava_onevision_config
     configs |= {"mistral3": mistral3_config, "lfm2_vl": lfm2_vl_config, "gemma3": gemma3_config}
     configs |= {f: functools.partial(shuffled_config, f) for f in SHUFFLED} | {"lighton_ocr": lighton_ocr_config}
-    configs |= {f: functools.partial(idefics_config, f) for f in IDEFICS}
+    configs |= {f: functools.partial(idefics_config, f) for f in IDEFICS} | {"got_ocr2": got_ocr2_config}
     config = configs[family]() if family in configs else qwen_vl_config(family)
     cls = FAMILIES[family]
     torch.manual_seed(seed)
-    model = getattr(transformers, cls)._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    attn = "eager" if family == "got_ocr2" else "sdpa"  # GOT-OCR2 refuses sdpa at the top level
+    model = getattr(transformers, cls)._from_config(config, attn_implementation=attn, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -292,8 +331,8 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
             types += [0] * (len(ids) - len(types))
             if i < len(doc.media):
                 modality, (t, h, w) = doc.media[i]
-                if family == "llava_next":  # an image of 4h x 4w pixels: its tiles, as many placeholders as features
-                    image, count = llava_next_image((4 * h, 4 * w), g)
+                if family in TILED:  # an image of 4h x 4w pixels: its tiles, as many placeholders as features
+                    image, count = llava_next_image((4 * h, 4 * w), g, family, len(doc.media))
                     ids += [IMG] * count
                     types += [MODALITY_TYPE["image"]] * count
                     pixels["image"].append(image)
@@ -334,10 +373,12 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
         example = {"input_ids": torch.tensor(ids), "mm_token_type_ids": torch.tensor(types)}
         if family == "gemma3":  # its processor's token_type_ids: 1 at the image tokens (they drive its image mask)
             example["token_type_ids"] = (torch.tensor(ids) == IMG).long()
-        if family == "llava_next" and pixels["image"]:  # [images, patches, 3, 8, 8], zero-padded as the processor
+        if family in TILED and pixels["image"]:  # [images, patches, 3, 8, 8], zero-padded as the processor
             most = max(x.shape[0] for x in pixels["image"])
             padded = [F.pad(x, (0, 0, 0, 0, 0, 0, 0, most - x.shape[0])) for x in pixels["image"]]
             example |= {"pixel_values": torch.stack(padded), "image_sizes": torch.cat(grids["image"])}
+            if family == "llava_onevision":  # its processor's count: several images per example skip the tiles
+                example["batch_num_images"] = torch.tensor([len(pixels["image"])])
         elif family == "lfm2_vl" and pixels["image"]:  # [images, most patches, 12], a mask of the real ones
             most = max(x.shape[0] for x in pixels["image"])
             mask = torch.stack([torch.arange(most) < x.shape[0] for x in pixels["image"]]).long()

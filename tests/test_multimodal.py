@@ -55,6 +55,12 @@ SP2 = [
     Case("lighton_ocr", "padded", ring=2),
     Case("idefics3", "mixed"),
     Case("smolvlm", "padded", ring=2),
+    Case("idefics2", "mixed"),  # a perceiver resampler between the tower and the decoder
+    Case("idefics2", "padded", ring=2),
+    Case("got_ocr2", "mixed"),  # a SAM tower, windowed, with relative positions; strided convs to the placeholders
+    Case("got_ocr2", "padded", ring=2),
+    Case("llava_onevision", "mixed"),  # one image: tiles; several: base views only (batch_num_images)
+    Case("llava_onevision", "padded", ring=2),
 ]
 SP4 = [
     Case("qwen2_vl", "mixed", ring=2),
@@ -75,6 +81,12 @@ SP4 = [
     Case("lighton_ocr", "mixed"),
     Case("smolvlm", "mixed", ring=2),
     Case("idefics3", "padded", ring=2),
+    Case("idefics2", "padded"),
+    Case("idefics2", "mixed", ring=2),
+    Case("got_ocr2", "padded"),
+    Case("got_ocr2", "mixed", ring=2),
+    Case("llava_onevision", "padded"),
+    Case("llava_onevision", "mixed", ring=2),
 ]
 ULYSSES_ONLY = {"gemma3"}  # a ring is refused (tests/test_multimodal.py::test_gemma3_refuses_a_ring)
 
@@ -228,6 +240,22 @@ def test_collator_pads_llava_next_tiles_across_examples() -> None:
     assert torch.equal(pixels[-1, : short.shape[1]], short[-1]) and not pixels[-1, short.shape[1] :].any()
 
 
+def test_collator_carries_llava_onevision_image_counts() -> None:
+    """LLaVA-OneVision tiles an image only in an example with one image: the collator lays each example's
+    ``batch_num_images`` end to end (one per document, in image order) and refuses counts that don't match."""
+    from hf_sp_trainer import SPMultimodalCollator
+
+    examples = make_examples(LAYOUTS["padded"], "llava_onevision")
+    collator = SPMultimodalCollator(build_vlm("llava_onevision"))
+    assert collator(examples)["batch_num_images"].tolist() == [2, 1]
+    examples[1]["batch_num_images"] = torch.tensor([2])
+    with pytest.raises(ValueError, match="Example 1 has 1 images but batch_num_images 2"):
+        collator(examples)
+    del examples[1]["batch_num_images"]
+    with pytest.raises(ValueError, match="Example 1 has 1 images but batch_num_images None"):
+        collator(examples)
+
+
 def test_collator_types_shared_placeholders_by_the_examples_media() -> None:
     """GLM-4V's video frames sit at the image token: the collator types them by the example's media (its own
     ``get_rope_index`` needs that), and refuses an example holding both."""
@@ -314,7 +342,7 @@ def test_only_proven_vlms_pass_the_checks() -> None:
     assert accepted <= {FAMILIES[c.family] for c in SP2} and accepted <= ringed, (accepted, ringed)
     bases = {type(build_vlm(f).model).__name__ for f in FAMILIES}
     assert bases == set(VERIFIED), (bases, VERIFIED)
-    assert {t for t, _, s, _ in rows if s == "refused"} >= {"paligemma", "llama4", "llava_onevision", "idefics2"}
+    assert {t for t, _, s, _ in rows if s == "refused"} >= {"paligemma", "llama4", "llava_next_video", "janus"}
 
 
 @pytest.mark.parametrize("family", ["paligemma", "llama4"])

@@ -48,6 +48,7 @@ class SPMultimodalCollator:
             raise ValueError("SPMultimodalCollator received a batch in which every example is empty.")
         batch = {key: torch.cat([d[key] for d in docs]).unsqueeze(0) for key in TOKEN_KEYS}
         batch["position_ids"] = torch.cat([d["position_ids"] for d in docs], dim=-1)
+        _check_image_counts(docs)
         for key in MEDIA_KEYS:
             values = [d[key] for d in docs if d.get(key) is not None]
             if values:
@@ -111,6 +112,21 @@ class SPMultimodalCollator:
         with torch.no_grad():
             rope, _ = self._rope_index(doc["input_ids"][None], **kwargs)  # [3, 1, n]
         return torch.cat([text, rope.to(torch.long)])
+
+
+def _check_image_counts(docs: list[dict[str, Any]]) -> None:
+    """LLaVA-OneVision's ``batch_num_images`` (per example: several images skip the tiles) must come with every
+    example that has images and count them; concatenated per document, it then lines up with the packed images."""
+    if not any(d.get("batch_num_images") is not None for d in docs):
+        return
+    for i, d in enumerate(docs):
+        images = 0 if d.get("pixel_values") is None else d["pixel_values"].shape[0]
+        counted = None if d.get("batch_num_images") is None else int(d["batch_num_images"].sum())
+        if counted != images and (images or counted):
+            raise ValueError(
+                f"Example {i} has {images} images but batch_num_images {counted}: give every example the "
+                "processor's batch_num_images (or none of them)."
+            )
 
 
 def concat_media(values: list[torch.Tensor]) -> torch.Tensor:

@@ -27,6 +27,7 @@ VERIFIED = frozenset(
         *("Glm4vModel", "Glm4vMoeModel", "Glm46VModel"),  # video frames at the image token: no images + videos batch
         *("LlavaModel", "LlavaNextModel", "Mistral3Model", "InternVLModel", "Lfm2VlModel"),  # 1-D positions
         *("AyaVisionModel", "Cohere2VisionModel", "LightOnOcrModel", "Idefics3Model", "SmolVLMModel"),
+        *("Idefics2Model", "GotOcr2Model", "LlavaOnevisionModel"),
         *IMAGE_BLOCK_MODELS,
     }
 )
