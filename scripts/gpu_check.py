@@ -4,7 +4,8 @@
     python scripts/gpu_check.py --dry-run --out /tmp/check.json   # CPU, tiny sizes, CUDA-only parts skipped
 
 a_kernels: packed rows (mixed lengths, 1-token documents, GQA), fp32/bf16, out/LSE/grads vs a dense fp64 reference:
-the per-document sdpa path, torch ``varlen_attn``, flash-attn varlen, the ring block kernels (sdpa, varlen, flash);
+the per-document sdpa path, torch ``varlen_attn``, flash-attn varlen, the ring block kernels (sdpa, varlen, flash;
+causal, full, and "future": the rest of a Gemma3 image);
 the ring op with attention sinks and with MLA head dims (q/k 192, v 128) on each kernel (``_gpu_attention.py``).
 b_fused_loss: Liger's fused linear cross-entropy (if installed) and the chunked loss vs the plain loss.
 c_offload: a small Llama step with gradient checkpointing, ``HostOffload`` on vs off: bitwise equality, peak memory.
@@ -110,12 +111,16 @@ def backward(loss: torch.Tensor) -> torch.Tensor:
 
 
 # -- (a) attention kernels on packed rows ------------------------------------------------------------------------
-def dense_reference(q, k, v, dout, docs: list[int] | None, scale: float):
-    """fp64 attention with a dense mask (block-causal over ``docs``; None: every pair): out, LSE, dq, dk, dv."""
+def dense_reference(q, k, v, dout, docs: list[int] | None, scale: float, future: bool = False):
+    """fp64 attention with a dense mask (block-causal over ``docs``; None: every pair; ``future``: key ``j >= i``, the
+    ring's ``"future"`` block of an image at offset -1): out, LSE, dq, dk, dv."""
     q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
     g = q.shape[1] // k.shape[1]
     s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * scale
-    if docs is not None:
+    if future:
+        pos = torch.arange(q.shape[2], device=q.device)
+        s = s.masked_fill(pos[None] < pos[:, None], float("-inf"))
+    elif docs is not None:
         doc = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs)).to(q.device)
         pos = torch.arange(len(doc), device=q.device)
         s = s.masked_fill(~((doc[:, None] == doc[None]) & (pos[:, None] >= pos[None])), float("-inf"))
@@ -165,6 +170,7 @@ def kernel_runs(ctx: Ctx, half: bool, cfg) -> dict[str, Any]:
     def block(kernel: str, kind: str):
         def run(q, k, v, dout, docs, scale):
             kw = dict(kind=kind, scale=scale, docs=tuple(docs) if kind == "causal" else (), kernel=kernel)
+            kw["offset"] = -1 if kind == "future" else 0  # the rest of an image: keys one after the queries
             out, lse = block_forward(q, k, v, **kw)
             return (out, lse, *block_backward(dout, q, k, v, out, lse, **kw))
 
@@ -175,7 +181,7 @@ def kernel_runs(ctx: Ctx, half: bool, cfg) -> dict[str, Any]:
                             NEEDS_HALF, "flash_attn_varlen": NO_FLASH if not flash else NEEDS_HALF}  # fmt: skip
     if half and flash:
         runs["flash_attn_varlen"] = autograd(lambda *a: varlen(*a, flash=True))
-    for kernel, kind in itertools.product(("sdpa", "varlen", "flash_attention_2"), ("causal", "full")):
+    for kernel, kind in itertools.product(("sdpa", "varlen", "flash_attention_2"), ("causal", "full", "future")):
         skip = NO_FLASH if kernel == "flash_attention_2" and not flash else None
         skip = skip or (NEEDS_HALF if kernel != "sdpa" and not half else None)
         runs[f"block_{kernel}_{kind}"] = skip or block(kernel, kind)
@@ -199,12 +205,12 @@ def check_kernels(ctx: Ctx) -> dict:
             if isinstance(fn, str):
                 results[name] = {"skipped": fn}
                 continue
-            is_full = name.endswith("_full")
-            n_q, n_k = full if is_full else (sum(docs), sum(docs))
+            is_full, future = name.endswith("_full"), name.endswith("_future")
+            n_q, n_k = full if is_full else (full[0], full[0]) if future else (sum(docs), sum(docs))
             shapes = ((hq, n_q), (hkv, n_k), (hkv, n_k), (hq, n_q))
             q, k, v, dout = (torch.randn(2, h, n, d, generator=gen, device=ctx.device).to(dtype) for h, n in shapes)
             try:
-                ref = dense_reference(q, k, v, dout, None if is_full else docs, d**-0.5)
+                ref = dense_reference(q, k, v, dout, None if is_full else docs, d**-0.5, future)
                 results[name] = diffs(("out", "lse", "dq", "dk", "dv"), fn(q, k, v, dout, docs, d**-0.5), ref, dtype)
             except Exception as exc:  # noqa: BLE001 - recorded; the other kernels still run
                 results[name] = error(exc)

@@ -528,19 +528,25 @@ def run_matrix(cases: list[Case], sp_size: int) -> dict[str, dict]:
 
 
 def run_matrix_without(cases: list[Case], sp_size: int) -> dict[str, dict]:
-    """``run_matrix`` twice, negative controls: Gemma3's image rows left causal, then with no window on them."""
-    import hf_sp_trainer.attention.ulysses as ulysses
+    """``run_matrix`` twice, negative controls: Gemma3's images without their pairs ``p < j`` (causal), then without
+    those in a later key chunk (the blocks a causal ring skips)."""
+    import hf_sp_trainer.attention.ring as ring
+    import hf_sp_trainer.attention.zigzag as zigzag
 
-    original = ulysses.attend_image_blocks
+    original = zigzag._image_tasks
     out = {}
     try:
-        ulysses.attend_image_blocks = lambda out, *args, **kwargs: out
+        zigzag._image_tasks = lambda *args: []
+        ring._cached_plan.cache_clear()
         out |= {f"{k}_causal": v for k, v in run_matrix(cases, sp_size).items()}
-        ulysses.attend_image_blocks = lambda *args, sliding_window=None, **kw: original(*args, **kw)
+        zigzag._image_tasks = lambda *args: [t for t in original(*args) if t.kind != "full"]
+        ring._cached_plan.cache_clear()
         for case in cases:
-            out[f"{case.name}_no_window"] = run_case(case, sp_size)
+            if case.ring:
+                out[f"{case.name}_next_chunk_skipped"] = run_case(case, sp_size)
     finally:
-        ulysses.attend_image_blocks = original
+        zigzag._image_tasks = original
+        ring._cached_plan.cache_clear()
     return out
 
 

@@ -125,7 +125,7 @@ def render(outcomes: dict[str, dict], ring_outcomes: dict[str, dict], vlms: list
         "Every image-text-to-text model type with encoders, its default config built on the meta device and put "
         "through SP's checks (`tests/multimodal_harness.py::classify_vlms`). SP runs in the text decoder only; "
         "*exact*: proven by `tests/test_multimodal.py` against each document run alone (loss and every gradient, "
-        "the vision tower's included, sp 2 and 4, Ulysses and ring; Gemma3 Ulysses only, a ring refused); "
+        "the vision tower's included, sp 2 and 4, Ulysses and ring); "
         "every other VLM is refused.",
         "",
         "| status | families |",

@@ -46,7 +46,8 @@ SP2 = [
     Case("glm4v", "videos", ring=2),
     Case("glm4v_moe", "videos"),
     Case("glm46v", "images", ring=2),
-    Case("gemma3", "mixed"),  # Ulysses only: each image's tokens see the whole image, a window cutting through it
+    Case("gemma3", "mixed"),  # each image's tokens see the whole image, a window cutting through it
+    Case("gemma3", "mixed", ring=2),  # the rest of an image in a later chunk: a block a causal ring skips
     Case("gemma3", "padded", frozen=True),
     Case("aya_vision", "mixed"),
     Case("aya_vision", "padded", ring=2),
@@ -76,6 +77,8 @@ SP4 = [
     Case("glm4v", "videos", ring=2),
     Case("glm4v_moe", "images", ring=2),
     Case("gemma3", "mixed"),
+    Case("gemma3", "mixed", ring=2),
+    Case("gemma3", "padded", ring=4),
     Case("aya_vision", "padded", ring=2),
     Case("cohere2_vision", "mixed"),
     Case("lighton_ocr", "mixed"),
@@ -88,7 +91,6 @@ SP4 = [
     Case("llava_onevision", "padded"),
     Case("llava_onevision", "mixed", ring=2),
 ]
-ULYSSES_ONLY = {"gemma3"}  # a ring is refused (tests/test_multimodal.py::test_gemma3_refuses_a_ring)
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +143,7 @@ TRAINER_CASES = {  # name: (family, world size, sp_size, ring, lora); the refere
     "qwen2_vl_lora_frozen_tower_sp2": ("qwen2_vl", 2, 2, None, True),
     "qwen3_vl_sp4_ring2_ga2": ("qwen3_vl", 4, 4, 2, False),
     "qwen2_vl_dp2_sp2": ("qwen2_vl", 4, 2, None, False),
-    "gemma3_sp2_ga2": ("gemma3", 2, 2, None, False),  # each image's tokens see the whole image
+    "gemma3_sp2_ring2_ga2": ("gemma3", 2, 2, 2, False),  # each image's tokens see the whole image, over a ring
     "smolvlm_sp2_ga2": ("smolvlm", 2, 2, None, False),  # 1-D positions, the decoder at text_model
 }
 
@@ -338,7 +340,7 @@ def test_only_proven_vlms_pass_the_checks() -> None:
     rows = classify_vlms()
     accepted = {cls for _, cls, status, _ in rows if status == "exact"}  # glmga's class is GLM-4.6V's
     assert accepted == set(FAMILIES.values()), (accepted, set(FAMILIES.values()))
-    ringed = {FAMILIES[c.family] for c in SP2 + SP4 if c.ring} | {FAMILIES[f] for f in ULYSSES_ONLY}
+    ringed = {FAMILIES[c.family] for c in SP2 + SP4 if c.ring}
     assert accepted <= {FAMILIES[c.family] for c in SP2} and accepted <= ringed, (accepted, ringed)
     bases = {type(build_vlm(f).model).__name__ for f in FAMILIES}
     assert bases == set(VERIFIED), (bases, VERIFIED)
@@ -362,25 +364,30 @@ def test_refused_vlms(family: str) -> None:
         check_multimodal(model, 2)
 
 
-def test_gemma3_refuses_a_ring() -> None:
-    """Gemma3's images see themselves whole, which SP computes under Ulysses only: a split that needs a ring is
-    refused before any collective (4 heads, sp 8 -> ulysses 4 x ring 2), as is an explicit ring."""
+def test_gemma3_checks_its_block_kernels() -> None:
+    """Gemma3's images run on the block kernels, with or without a ring (4 heads: sp 8 is ulysses 4 x ring 2): a
+    kernel without a log-sum-exp, or attention dropout, which those kernels lack, is refused before any collective."""
     from hf_sp_trainer.attention.ulysses import validate_model_for_sp
 
     model = build_vlm("gemma3")
-    assert validate_model_for_sp(model, 4) == (4, 1)
-    with pytest.raises(ValueError, match=r"attend bidirectionally within their image.*sp_size=8 needs a ring of 2"):
-        validate_model_for_sp(model, 8)
-    with pytest.raises(ValueError, match="Use an sp_size dividing 4"):
-        validate_model_for_sp(model, 4, ring_size=2)
+    assert validate_model_for_sp(model, 4) == (4, 1) and validate_model_for_sp(model, 8) == (4, 2)
+    assert validate_model_for_sp(model, 4, ring_size=2) == (2, 2)
+    with pytest.raises(ValueError, match=r"see their whole image.*log-sum-exp.*sp_attn_implementation"):
+        validate_model_for_sp(model, 2, kernel="flex_attention")
+    model.config.text_config.attention_dropout = 0.1
+    with pytest.raises(ValueError, match=r"attention_dropout=0.1\); set it to 0"):
+        validate_model_for_sp(model, 2)
 
 
 def test_gemma3_image_blocks_are_needed() -> None:
-    """Negative control: the same Gemma3 case with the image rows left causal (``attend_image_blocks`` off) is far
-    from the single-device result, as is one with the window dropped from the image rows."""
+    """Negative controls: the same Gemma3 cases with the images' pairs ``p < j`` left out (causal) are far from the
+    single-device result, as is the ring case with only those in a later key chunk left out (the blocks a causal
+    ring skips)."""
     from tests.multimodal_harness import run_matrix_without
 
-    got = unwrap_results(run_distributed(2, run_matrix_without, [Case("gemma3", "mixed")], 2))[0]
+    cases = [Case("gemma3", "mixed"), Case("gemma3", "mixed", ring=2)]
+    got = unwrap_results(run_distributed(2, run_matrix_without, cases, 2))[0]
+    assert set(got) == {"gemma3_mixed_causal", "gemma3_mixed_ring2_causal", "gemma3_mixed_ring2_next_chunk_skipped"}
     assert min(r["error"] for r in got.values()) > 1e-2, got
 
 

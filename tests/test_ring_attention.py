@@ -27,14 +27,28 @@ S = 48  # 2R chunks of 6 tokens for R = 4, of 12 for R = 2
 
 
 # -- dense reference --------------------------------------------------------------------------------------------
-def visibility(segments: list[list[tuple[int, int]]], seq: int, window: int | None) -> torch.Tensor:
-    """``[b, seq, seq]`` bool: same document, causal, inside the sliding window."""
+def visibility(segments: list[list[tuple[int, int]]], seq: int, window: int | None, images=()) -> torch.Tensor:
+    """``[b, seq, seq]`` bool: same document, inside the sliding window, and causal or both in one of ``images``
+    (``(row, start, end)`` runs: Gemma3's ``window AND (causal OR same image)``)."""
     p, j = torch.arange(seq)[:, None], torch.arange(seq)[None]
     masks = []
-    for row in segments:
+    for r, row in enumerate(segments):
         doc = torch.cat([torch.full((e - s,), i) for i, (s, e) in enumerate(row)])
-        masks.append((doc[:, None] == doc[None]) & (j <= p) & ((p - j < window) if window else True))
+        image = torch.full((seq,), -1)
+        for i, (_, start, end) in enumerate(im for im in images if im[0] == r):
+            image[start:end] = i
+        same_image = (image[:, None] == image[None]) & (image[:, None] >= 0)
+        in_window = (p - j < window) if window else True  # a later key always is
+        masks.append((doc[:, None] == doc[None]) & in_window & ((j <= p) | same_image))
     return torch.stack(masks)
+
+
+def random_images(rng: random.Random, rows: int, seq: int) -> list[tuple[int, int, int]]:
+    """Runs of image tokens as the collator's ``token_type_ids`` make them (``image_blocks``), crossing documents."""
+    from hf_sp_trainer.attention.image_blocks import image_blocks
+
+    types = torch.tensor([[int(rng.random() < 0.4) for _ in range(seq)] for _ in range(rows)])
+    return [tuple(b) for b in image_blocks(types).tolist()]
 
 
 def masked_scores(q, k, mask, scale, softcap=None):
@@ -89,27 +103,38 @@ def test_zigzag_ranges():
         zigzag_ranges(12, 4, 0)
 
 
-def _plan_coverage(segments, seq, ring, window, layout):
+def _task_mask(task, qp: torch.Tensor, kp: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The pairs a task computes, from its kind alone."""
+    dist = qp[:, None] - kp[None]
+    if task.kind in ("future", "full"):
+        return dist < 0 if task.kind == "future" else torch.ones_like(dist, dtype=torch.bool)
+    mask = (dist >= 0) & ((dist < window) if window else True)
+    if task.kind == "causal":
+        doc = torch.repeat_interleave(torch.arange(len(task.docs)), torch.tensor(task.docs))
+        mask &= doc[:, None] == doc[None]
+    return mask
+
+
+def _plan_coverage(segments, seq, ring, window, layout, images=()):
     """How often the plans of all ranks compute each (query, key) pair; every task must compute visible pairs only."""
     ranges = {"zigzag": zigzag_ranges, "contiguous": contiguous_ranges}[layout]
     counts = torch.zeros(len(segments), seq, seq, dtype=torch.long)
+    visible = visibility(segments, seq, window, images)
     for rank in range(ring):
-        plan = plan_ring(segments, seq, ring, rank, window, layout)
+        plan = plan_ring(segments, seq, ring, rank, window, layout, images=tuple(images))
         queries = torch.cat([torch.arange(s, e) for s, e in ranges(seq, ring, rank)])
         for t, step in enumerate(plan.steps):
             keys = torch.cat([torch.arange(s, e) for s, e in ranges(seq, ring, (rank - t) % ring)])
             for task in step:
                 qp, kp = queries[task.q[0] : task.q[1]], keys[task.k[0] : task.k[1]]
                 assert (qp[0], kp[0]) == (task.q_start, task.k_start)
-                mask = visibility([[(0, seq)]], seq, window)[0][qp[:, None], kp[None]]
-                if task.kind == "causal":
-                    doc = torch.repeat_interleave(torch.arange(len(task.docs)), torch.tensor(task.docs))
-                    mask &= doc[:, None] == doc[None]
-                else:
-                    assert (qp[:, None] > kp[None]).all() and mask.any(1).all() and mask.any(0).all()
-                    assert mask.all() == (task.kind == "full")
+                mask = _task_mask(task, qp, kp, window)
+                if task.kind != "causal":  # every query and key of a rectangle sees one; a band isn't full
+                    assert mask.any(1).all() and mask.any(0).all()
+                    assert mask.all() if task.kind == "full" else task.kind == "future" or not mask.all()
                 assert int(mask.sum()) == visible_pairs(task, window)
                 for r in range(*task.rows):
+                    assert not (mask & ~visible[r][qp[:, None], kp[None]]).any(), (task, r)
                     counts[r, qp[:, None].expand_as(mask)[mask], kp[None].expand_as(mask)[mask]] += 1
     return counts
 
@@ -124,6 +149,24 @@ def test_plan_computes_each_visible_pair_exactly_once(layout):
         window = rng.choice([None, 1, 2, 3, 7, 100])
         counts = _plan_coverage(segments, seq, ring, window, layout)
         assert torch.equal(counts, visibility(segments, seq, window).long()), (segments, ring, window)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_plan_with_images_computes_each_visible_pair_exactly_once(layout):
+    """Gemma3's images (runs of image tokens, across documents and chunks) add their pairs ``p < j``: with a ring
+    the chunk after the queries' is no longer skipped when it holds the rest of an image."""
+    rng, changed = random.Random(1), 0
+    for _ in range(25):
+        ring = rng.choice([1, 2, 3, 4])
+        seq = 2 * ring * rng.randint(1, 5)
+        segments = [random_segments(rng, seq, max_docs=3) for _ in range(rng.randint(1, 3))]
+        images = random_images(rng, len(segments), seq)
+        window = rng.choice([None, 1, 3, 100])
+        counts = _plan_coverage(segments, seq, ring, window, layout, images)
+        want = visibility(segments, seq, window, images).long()
+        assert torch.equal(counts, want), (segments, images, ring, window)
+        changed += not torch.equal(want, visibility(segments, seq, window).long())
+    assert changed >= 15, changed  # most draws hold images with pairs p < j: not a vacuous test
 
 
 def test_plan_skips_invisible_pairs_and_zigzag_balances_work():
@@ -146,6 +189,7 @@ BLOCKS = {  # kind, nq, nk, offset, docs, window
     "causal_window": ("causal", 12, 12, 0, (3, 9), 4),
     "full": ("full", 5, 7, 9, (), None),
     "band": ("band", 6, 7, 8, (), 10),
+    "future": ("future", 6, 7, -1, (), None),  # the rest of an image: keys after their query
 }
 
 
@@ -158,7 +202,7 @@ def test_block_kernel_matches_softmax(kernel, block, hkv, softcap):
     q = torch.randn(2, 4, nq, 8, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(2, hkv, nk, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
     dist = torch.arange(nq)[:, None] - torch.arange(nk)[None] + offset
-    mask = (dist >= 0) & ((dist < window) if window else True)
+    mask = (dist < 0) if kind == "future" else (dist >= 0) & ((dist < window) if window else True)
     if docs:
         doc = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
         mask &= doc[:, None] == doc[None]
@@ -177,7 +221,7 @@ def test_block_kernel_matches_softmax(kernel, block, hkv, softcap):
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "eager"])
-@pytest.mark.parametrize("block", ["causal_docs", "band"])
+@pytest.mark.parametrize("block", ["causal_docs", "band", "future"])
 @pytest.mark.parametrize("dv", [6, 12])
 def test_block_kernel_value_head_dim_differs(kernel, block, dv):
     """MLA: ``dv != dqk`` (zero-padded around the fused kernel, native in the math path) fwd + bwd, exact."""
@@ -187,7 +231,7 @@ def test_block_kernel_value_head_dim_differs(kernel, block, dv):
     k = torch.randn(2, 2, nk, 8, dtype=torch.float64, requires_grad=True)
     v = torch.randn(2, 2, nk, dv, dtype=torch.float64, requires_grad=True)
     dist = torch.arange(nq)[:, None] - torch.arange(nk)[None] + offset
-    mask = (dist >= 0) & ((dist < window) if window else True)
+    mask = (dist < 0) if kind == "future" else (dist >= 0) & ((dist < window) if window else True)
     if docs:
         doc = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))
         mask &= doc[:, None] == doc[None]
@@ -260,6 +304,7 @@ def _lengths(*lengths: int) -> list[tuple[int, int]]:
 STRADDLE = _lengths(5, *[6] * 7, 1)  # a document across every chunk boundary (chunks of 6 and 12)
 MIXED = _lengths(1, 1, 20, 3, 1, 22)
 ONE_TOKEN = _lengths(*[1] * 5, 10, *[1] * 3, 30)
+IMAGES_MIXED = ((0, 3, 21), (0, 21, 24), (0, 40, 48))  # MIXED's documents start at 0, 1, 2, 22, 25, 26
 
 
 @dataclass(frozen=True)
@@ -273,6 +318,7 @@ class RingCase:
     tol: float = 1e-5
     sinks: bool = False  # large per-head sinks (std 3 around the row LSE): dropping them fails
     dv: int = 8  # value head dim (MLA: != the q/k head dim 8)
+    images: tuple = ()  # (row, start, end) runs whose tokens see each other (Gemma3)
 
 
 CASES = {
@@ -300,6 +346,13 @@ CASES = {
     "mla_dv6": RingCase([MIXED], hkv=2, dv=6),
     "mla_dv12_window_eager": RingCase([STRADDLE], window=7, kernel="eager", dv=12),
     "mla_sinks_window": RingCase([MIXED], hkv=2, window=9, sinks=True, dv=6),
+    # Gemma3's images: one across three chunks (R = 4), one cut by a document start, one closing a row
+    "images": RingCase([MIXED], images=IMAGES_MIXED),
+    "images_window_gqa": RingCase([MIXED], hkv=2, window=5, images=IMAGES_MIXED),
+    "images_fp64": RingCase([STRADDLE], dtype=torch.float64, tol=1e-12, window=4, images=((0, 3, 16), (0, 30, 47))),
+    "images_batch2_eager": RingCase(
+        [MIXED, STRADDLE], hkv=1, window=7, kernel="eager", images=(*IMAGES_MIXED, (1, 0, 9), (1, 12, 40))
+    ),  # fmt: skip
 }
 RINGS = (1, 2, 4)
 
@@ -327,12 +380,13 @@ def _check_case(case: RingCase, group, seed: int) -> dict[str, float]:
     local = [t[:, :, mine].to(case.dtype).requires_grad_() for t in (q, k, v)]
     local_sinks = sinks.clone().requires_grad_() if case.sinks else None
     kw = dict(scale=d**-0.5, sliding_window=case.window, softcap=case.softcap, kernel=case.kernel, sinks=local_sinks)
-    out = ring_attention(*local, case.segments, group, **kw)
+    blocks = torch.tensor(case.images, dtype=torch.long) if case.images else None
+    out = ring_attention(*local, case.segments, group, **kw, image_blocks=blocks)
     assert out.dtype == case.dtype and out.shape == (b, S // ring, hq, case.dv)
     out.backward(dout[:, mine].to(case.dtype))
     got = [_gather(out.detach(), 1, group)[:, inv]] + [_gather(t.grad, 2, group)[:, :, inv] for t in local]
     full = [t.to(case.dtype).double().requires_grad_() for t in (q, k, v)]  # the values the ring was given
-    mask = visibility(case.segments, S, case.window)
+    mask = visibility(case.segments, S, case.window, case.images)
     if case.sinks:  # each rank's sink gradient covers its queries: their sum is the whole gradient
         got.append(_sum(local_sinks.grad, group))
         full.append(sinks.double().requires_grad_())
@@ -342,6 +396,9 @@ def _check_case(case: RingCase, group, seed: int) -> dict[str, float]:
     errors = {name: rel_err(a, b) for name, a, b in zip(names, got, (ref, *ref_grads), strict=False)}
     if case.sinks:  # negative control: the same reference without the sinks is far from what the ring computed
         errors["control_no_sinks"] = rel_err(got[0], dense_attention(*full[:3], mask, d**-0.5, case.softcap))
+    if case.images:  # negative control: the images' pairs p < j matter
+        causal = visibility(case.segments, S, case.window)
+        errors["control_no_images"] = rel_err(got[0], dense_attention(*full[:3], causal, d**-0.5, case.softcap))
     return errors
 
 
@@ -389,9 +446,12 @@ def test_ring_attention_matches_dense(ring_results, name, ring):
     for rank, result in enumerate(ring_results):
         errors = dict(result["errors"][name, ring])
         control = errors.pop("control_no_sinks", None)
+        images = errors.pop("control_no_images", None)
         assert max(errors.values()) <= CASES[name].tol, f"rank {rank}: {errors}"
         if CASES[name].sinks:
             assert control > 1e-2, f"rank {rank}: the sinks barely change the output ({control:.1e}): a weak test"
+        if CASES[name].images:
+            assert images > 1e-2, f"rank {rank}: the image pairs barely change the output ({images:.1e})"
         assert ("dsinks" in errors) == CASES[name].sinks
 
 

@@ -1,9 +1,10 @@
 """Attention of one sub-block with its log-sum-exp, and its backward given the final (merged) output and LSE.
 
 A sub-block is ``q [b, hq, nq, d]`` x ``k, v [b, hkv, nk, d]`` (GQA: query head ``h`` uses kv head
-``h // (hq // hkv)``) of one of three kinds (see ``zigzag.BlockTask``): ``"causal"`` (equal ranges, documents of
-lengths ``docs``, each causal), ``"full"`` (every pair visible) or ``"band"`` (sliding-window band; ``offset`` is the
-global distance between the first query and the first key). Visible pairs: ``0 <= p - j < window``.
+``h // (hq // hkv)``) of one of four kinds (see ``zigzag.BlockTask``): ``"causal"`` (equal ranges, documents of
+lengths ``docs``, each causal), ``"full"`` (every pair visible), ``"band"`` (sliding-window band; ``offset`` is the
+global distance between the first query and the first key; visible pairs: ``0 <= p - j < window``) or ``"future"``
+(keys after their query, ``p - j < 0``: the rest of an image that sees itself whole).
 
 The backward is flash-attention's: with the final ``out`` and ``lse`` of the whole row, ``P = exp(S - lse)`` is the
 block's slice of the final softmax, so a block's dq/dk/dv are exactly its contribution to the full gradients.
@@ -24,7 +25,7 @@ LSE_KERNELS = ("sdpa", "eager", "varlen", "flash_attention_2", "flash_attention_
 _FLASH_MODULES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 MATH_TILE = 1024  # query rows per step of the math path (bounds its score matrix)
 
-Rect = tuple[int, int, int, int, bool, bool]  # q0, q1, k0, k1, causal, masked
+Rect = tuple[int, int, int, int, bool, str]  # q0, q1, k0, k1, causal, mask ("", "band" or "future")
 
 
 def check_kernel(kernel: str, device: torch.device | str, softcap: float | None = None) -> None:
@@ -61,17 +62,18 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _rects(kind: str, nq: int, nk: int, docs: tuple[int, ...], window: int | None) -> list[Rect]:
-    if kind == "full":
-        return [(0, nq, 0, nk, False, False)]
-    if kind == "band":
-        return [(0, nq, 0, nk, False, True)]
+    if kind in ("full", "band", "future"):
+        return [(0, nq, 0, nk, False, "" if kind == "full" else kind)]
     starts = itertools.accumulate(docs[:-1], initial=0)
-    return [(s, s + n, s, s + n, True, window is not None and window < n) for s, n in zip(starts, docs, strict=True)]
+    band = lambda n: "band" if window is not None and window < n else ""  # noqa: E731
+    return [(s, s + n, s, s + n, True, band(n)) for s, n in zip(starts, docs, strict=True)]
 
 
-def _visible(nq: int, nk: int, offset: int, window: int | None, device) -> torch.Tensor:
-    """``[nq, nk]`` bool: ``0 <= p - j < window`` with ``p - j = a - b + offset``."""
+def _visible(nq: int, nk: int, offset: int, window: int | None, device, future: bool = False) -> torch.Tensor:
+    """``[nq, nk]`` bool: ``0 <= p - j < window`` (``future``: ``p - j < 0``) with ``p - j = a - b + offset``."""
     dist = torch.arange(nq, device=device)[:, None] - torch.arange(nk, device=device)[None] + offset
+    if future:
+        return dist < 0
     return (dist >= 0) & (dist < window) if window is not None else dist >= 0
 
 
@@ -79,7 +81,7 @@ def _rect_mask(rect: Rect, offset: int, window: int | None, device, causal_as_ma
     """The rectangle's bool mask; ``None`` when every pair is visible (or causal, unless ``causal_as_mask``)."""
     q0, q1, k0, k1, causal, masked = rect
     if masked or (causal and causal_as_mask):
-        return _visible(q1 - q0, k1 - k0, offset + q0 - k0, window, device)
+        return _visible(q1 - q0, k1 - k0, offset + q0 - k0, window, device, future=masked == "future")
     return None
 
 
@@ -170,14 +172,19 @@ def _varlen_geometry(kind, b, nq, nk, offset, docs, window, device):
     Flash aligns a ``nq x nk`` window to the bottom right: query ``a`` sees keys ``[a + nk - nq - left,
     a + nk - nq + right]``. For a band (keys before queries, ``p - j = a - b + offset``) that is ``right = offset +
     nq - nk`` (the distance between the last query and the last key) and ``left = window - 1 - right`` (>= 0: the
-    planner trims queries that see nothing)."""
+    planner trims queries that see nothing). For ``"future"`` (``p < j``: key ``b >= a + offset + 1``) that is
+    ``left = nk - nq - offset - 1`` (>= 0: the planner trims the last key of the queries) and no right edge."""
     if kind == "causal":
         lens_q = lens_k = list(docs) * b
         win = (window - 1 if window is not None else -1, 0)
     else:
         lens_q, lens_k = [nq] * b, [nk] * b
         right = offset + nq - nk
-        win = (window - 1 - right, right) if kind == "band" else (-1, -1)
+        win = (-1, -1)
+        if kind == "band":
+            win = (window - 1 - right, right)
+        elif kind == "future":
+            win = (nk - nq - offset - 1, -1)
 
     def cu(lens):
         return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)

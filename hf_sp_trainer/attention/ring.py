@@ -40,9 +40,12 @@ def _segments(bounds: list[int], rows: int) -> list[list[tuple[int, int]]]:
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_plan(bounds: tuple[int, ...], rows: int, ring_size: int, rank: int, window: int | None) -> RingPlan:
-    """One plan per (layout, rank, window): planned by the first layer of a forward, reused by the others."""
-    return plan_ring(_segments(list(bounds), rows), bounds[-1] // rows, ring_size, rank, window)
+def _cached_plan(
+    bounds: tuple[int, ...], rows: int, ring_size: int, rank: int, window: int | None, images: tuple
+) -> RingPlan:
+    """One plan per (layout, rank, window, images): planned by the first layer of a forward, reused by the others."""
+    seq = bounds[-1] // rows
+    return plan_ring(_segments(list(bounds), rows), seq, ring_size, rank, window, images=images)
 
 
 def merge_block(
@@ -75,9 +78,10 @@ def _group(group_name: str) -> dist.ProcessGroup | None:
     return _resolve_process_group(group_name) if group_name else None
 
 
-def _plan(bounds: torch.Tensor, q: torch.Tensor, group: dist.ProcessGroup | None, window: int) -> RingPlan:
+def _plan(bounds, images, q: torch.Tensor, group: dist.ProcessGroup | None, window: int) -> RingPlan:
     rank, size = _ring(group)
-    return _cached_plan(tuple(bounds.tolist()), q.shape[0], size, rank, window or None)
+    blocks = () if images is None else tuple(map(tuple, images.tolist()))
+    return _cached_plan(tuple(bounds.tolist()), q.shape[0], size, rank, window or None, blocks)
 
 
 def _whole_block(plan: RingPlan, q: torch.Tensor) -> BlockTask | None:
@@ -113,6 +117,7 @@ def ring_attention_op(
     k: torch.Tensor,
     v: torch.Tensor,
     bounds: torch.Tensor,
+    images: torch.Tensor | None,
     sinks: torch.Tensor | None,
     group_name: str,
     scale: float,
@@ -123,7 +128,7 @@ def ring_attention_op(
     """Forward: ``(out [b, hq, n, dv], lse [b, hq, n])`` (the LSE includes the sinks). One dispatcher op, opaque to
     ``torch.compile``; ``window`` and ``softcap`` are 0 when absent, ``group_name`` is empty for a ring of one."""
     group = _group(group_name)
-    plan = _plan(bounds, q, group, window)
+    plan = _plan(bounds, images, q, group, window)
     whole = _whole_block(plan, q)
     dt, dqk = acc_dtype(q.dtype), q.shape[-1]
     if whole is not None:  # a ring of one, one task for all rows and documents: nothing to merge
@@ -149,7 +154,7 @@ def ring_attention_op(
 
 
 @ring_attention_op.register_fake
-def _(q, k, v, bounds, sinks, group_name, scale, window, softcap, kernel):
+def _(q, k, v, bounds, images, sinks, group_name, scale, window, softcap, kernel):
     out = q.new_empty((*q.shape[:3], v.shape[-1]))
     return out, q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))  # contiguous, as the real op
 
@@ -163,6 +168,7 @@ def ring_attention_backward_op(
     out: torch.Tensor,
     lse: torch.Tensor,
     bounds: torch.Tensor,
+    images: torch.Tensor | None,
     sinks: torch.Tensor | None,
     group_name: str,
     scale: float,
@@ -174,7 +180,7 @@ def ring_attention_backward_op(
     Given the final ``(out, lse)`` (sinks included) the block backward is exact; the 4th output is dsinks (empty
     without sinks)."""
     group = _group(group_name)
-    plan = _plan(bounds, q, group, window)
+    plan = _plan(bounds, images, q, group, window)
     whole = _whole_block(plan, q)
     dout = dout.to(q.dtype)
     dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None else q.new_zeros(0)
@@ -209,21 +215,21 @@ def ring_attention_backward_op(
 
 
 @ring_attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, bounds, sinks, group_name, scale, window, softcap, kernel):
+def _(dout, q, k, v, out, lse, bounds, images, sinks, group_name, scale, window, softcap, kernel):
     dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, bounds, sinks, *ctx.args = inputs
+    q, k, v, bounds, images, sinks, *ctx.args = inputs
     ctx.has_sinks = sinks is not None
-    ctx.save_for_backward(q, k, v, output[0], output[1], bounds, sinks)
+    ctx.save_for_backward(q, k, v, output[0], output[1], bounds, images, sinks)
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, bounds, sinks = ctx.saved_tensors
-    dq, dk, dv, dsinks = ring_attention_backward_op(dout, q, k, v, out, lse, bounds, sinks, *ctx.args)
-    return dq, dk, dv, None, dsinks if ctx.has_sinks else None, None, None, None, None, None
+    q, k, v, out, lse, bounds, images, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = ring_attention_backward_op(dout, q, k, v, out, lse, bounds, images, sinks, *ctx.args)
+    return dq, dk, dv, None, None, dsinks if ctx.has_sinks else None, None, None, None, None, None
 
 
 ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -255,14 +261,18 @@ def ring_attention(
     kernel: str = "sdpa",
     dropout: float = 0.0,
     sinks: torch.Tensor | None = None,
+    image_blocks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact causal attention of this ring rank's zigzag portion ``q, k [b, hq | hkv, n, d]``, ``v [b, hkv, n, dv]``
     over the whole sequence of ``n * R`` tokens; returns ``[b, n, hq, dv]`` (transformers' attention-output layout).
     ``sinks [hq]``: one learned logit per head with a zero value in every row's softmax (gpt-oss), or ``None``.
+    ``image_blocks [n, 3]``: ``(row, start, end)`` (global) of images whose tokens also see the later tokens of the
+    same image and document (Gemma3; ``image_blocks.image_blocks``), or ``None``.
 
     ``bounds``: the documents of every row in global coordinates, as ``document_bounds`` (a tensor, rows end to end)
     or per-row segments (``DocumentLayout.segments``); ``group``: the ring process group (``None``: a ring of one).
-    Query ``p`` sees key ``j`` iff same document, ``j <= p`` and ``p - j < sliding_window``. Every rank raises the
+    Query ``p`` sees key ``j`` iff same document and either ``j <= p`` and ``p - j < sliding_window``, or both
+    are in one image of ``image_blocks``. Every rank raises the
     same ``ValueError`` before any communication for an unsupported kernel, dropout or shape.
     """
     check_kernel(kernel, q.device, softcap)
@@ -286,5 +296,6 @@ def ring_attention(
     group_name = group.group_name if group is not None and size > 1 else ""
     q, k, v = autocast_like_sdpa(q, k, v)
     window, cap = sliding_window or 0, softcap or 0.0
-    out, _ = ring_attention_op(q, k, v, bounds, sinks, group_name, scale, window, cap, kernel)
+    images = None if image_blocks is None or not image_blocks.numel() else image_blocks.cpu()
+    out, _ = ring_attention_op(q, k, v, bounds, images, sinks, group_name, scale, window, cap, kernel)
     return out.transpose(1, 2)

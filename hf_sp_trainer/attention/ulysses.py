@@ -31,7 +31,7 @@ from ..sharding import SequenceSharding, check_sp_padding
 from ..topology import SPTopology, split_sp_size
 from .all_to_all import all_gather_along, all_to_all
 from .block_attention import check_kernel
-from .image_blocks import IMAGE_BLOCKS_KWARG, attend_image_blocks
+from .image_blocks import IMAGE_BLOCKS_KWARG
 from .kernels import is_varlen_kernel, resolve_kernel, run_kernel
 from .layout import DocumentLayout
 from .ring import autocast_like_sdpa, document_bounds, ring_attention
@@ -111,23 +111,25 @@ def validate_model_for_sp(
         raise ValueError(f"{name} has {heads} query heads, not a multiple of its {kv_heads} key/value heads.")
     check_sinks(model)
     ulysses, ring = split_sp_size(sp_size, heads, ring_size)
-    if ring > 1 and uses_image_blocks(model):
-        raise ValueError(
-            f"{name}'s image tokens attend bidirectionally within their image, which SP computes under Ulysses "
-            f"only: sp_size={sp_size} needs a ring of {ring} for its {heads} query heads. Use an sp_size dividing "
-            f"{heads} (with sp_ring_size=1)."
-        )
     kernel = kernel or model.config._attn_implementation
     if kernel == ULYSSES_KEY:
         raise ValueError(f"The inner attention kernel can't be {ULYSSES_KEY!r} itself: set sp_attn_implementation.")
-    if ring > 1 or kernel == VARLEN_KEY:
+    images = uses_image_blocks(model)  # their extra pairs run on the block kernels, as a ring does
+    if ring > 1 or kernel == VARLEN_KEY or images:
         try:
             check_kernel(kernel, model.device, getattr(model.config.get_text_config(), "attn_logit_softcapping", None))
         except ValueError as exc:
+            how = f"sp_size={sp_size} runs as ulysses {ulysses} x ring {ring} for {name}'s {heads} query heads"
+            if images:
+                how = f"{name}'s image tokens see their whole image, which SP computes with its block kernels"
+            alt = "" if images else f", or choose an sp_size dividing {heads}"
+            raise ValueError(f"{how}: {exc} (sp_attn_implementation){alt}.") from exc
+        dropout = getattr(model.config.get_text_config(), "attention_dropout", 0.0)
+        if images and dropout:
             raise ValueError(
-                f"sp_size={sp_size} runs as ulysses {ulysses} x ring {ring} for {name}'s {heads} query heads: {exc} "
-                f"(sp_attn_implementation), or choose an sp_size dividing {heads}."
-            ) from exc
+                f"{name}'s image tokens see their whole image, which SP computes with its block kernels, and those "
+                f"have no attention dropout (attention_dropout={dropout}); set it to 0 to train with sp_size={sp_size}."
+            )
     return ulysses, ring
 
 
@@ -198,8 +200,6 @@ class UlyssesAttention:
         blocks = kwargs.pop(IMAGE_BLOCKS_KWARG, None)  # Gemma3's images, from the media pre-hook
         topo = self.topology
         group = topo.ulysses_group
-        if blocks is not None and (topo.ring_size > 1 or kwargs.get("softcap")):
-            raise RuntimeError("Bidirectional image blocks run under Ulysses only, without softcapping.")
         check_no_per_token_kwargs(module, query.shape[2], kwargs)
         if key.shape[-1] != query.shape[-1] or value.shape[:3] != key.shape[:3]:
             raise ValueError(
@@ -216,8 +216,8 @@ class UlyssesAttention:
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
         query, key, value = autocast_like_sdpa(query, key, value)
         q, k, v = (all_to_all(t, scatter_dim=1, gather_dim=2, group=group) for t in (query, key, value))
-        whole = q, k, v  # [b, h/U, s, d]: the whole sequence for this rank's heads
-        if self._uses_blocks(q, kwargs, sinks is not None):  # one op per layer for all documents and the ring
+        # [b, h/U, s/R, d]: this rank's heads over its ring portion (the whole sequence without a ring)
+        if blocks is not None or self._uses_blocks(q, kwargs, sinks is not None):  # one op: all documents, the ring
             ring = topo.ring_group if topo.ring_size > 1 else None
             out = ring_attention(
                 q,
@@ -231,6 +231,7 @@ class UlyssesAttention:
                 kernel=self.kernel,
                 dropout=kwargs.get("dropout", 0.0),
                 sinks=sinks,
+                image_blocks=blocks,  # Gemma3: each image's pairs p < j, their own blocks of the plan
             )
         else:  # the registered kernel itself, per document / varlen / block mask
             fn = resolve_kernel(self.kernel, module)
@@ -242,16 +243,6 @@ class UlyssesAttention:
                 v = F.pad(v, (0, max(q.shape[-1], dv) - dv))
                 q, k = (F.pad(t, (0, v.shape[-1] - t.shape[-1])) for t in (q, k))
             out = run_kernel(self.kernel, fn, kernel_module, q, k, v, self.layout, kwargs)[..., :dv]  # [b,s,h/U,dv]
-        if blocks is not None:  # image queries see their whole image: those rows recomputed
-            out = attend_image_blocks(
-                out,
-                *whole,
-                blocks,
-                bounds,
-                scale=kwargs.get("scaling") or whole[0].shape[-1] ** -0.5,
-                sliding_window=kwargs.get("sliding_window"),
-                dropout=kwargs.get("dropout", 0.0),
-            )
         return all_to_all(out, scatter_dim=1, gather_dim=2, group=group), None  # [b, s/P, h, d]
 
     def _uses_blocks(self, q: torch.Tensor, kwargs: dict, sinks: bool = False) -> bool:

@@ -5,8 +5,9 @@ chunks ``i`` and ``2R-1-i`` (in that order), so that every rank gets the same am
 
 The planner lists, for every ring step ``t`` (when rank ``i`` holds the K/V of ring rank ``(i - t) mod R``), the
 sub-blocks that contain visible (query, key) pairs: per-document causal squares on the diagonal, and rectangles of
-one document (optionally cut to a sliding-window band) between a query chunk and an earlier key chunk. Pairs of
-chunks without a visible key are skipped. Pure Python: the same plan drives the ring kernel and ``measure_work``.
+one document (optionally cut to a sliding-window band) between a query chunk and an earlier key chunk; with images
+that see themselves whole (Gemma3, ``image_blocks``), each image's pairs ``p < j`` too. Pairs of chunks without a
+visible key are skipped. Pure Python: the same plan drives the ring kernel and ``measure_work``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .image_blocks import Image, future_pairs, within_documents
 
 Range = tuple[int, int]
 
@@ -66,8 +69,9 @@ def zigzag_inverse_permutation(seq_len: int, ring_size: int) -> torch.Tensor:
 class BlockTask:
     """One sub-block: queries ``q`` (local range in this rank's portion) x keys ``k`` (local range in the held
     portion) of batch rows ``rows``. ``kind``: ``"causal"`` (equal ranges; documents of lengths ``docs``, each
-    causal, sliding window applied inside), ``"full"`` (every pair visible) or ``"band"`` (keys before queries,
-    sliding-window mask). ``q_start``/``k_start``: global positions of the first query/key."""
+    causal, sliding window applied inside), ``"full"`` (every pair visible), ``"band"`` (keys before queries,
+    sliding-window mask) or ``"future"`` (keys after queries: the pairs ``p < j`` of one image).
+    ``q_start``/``k_start``: global positions of the first query/key."""
 
     rows: Range
     q: Range
@@ -135,8 +139,10 @@ def plan_ring(
     rank: int,
     sliding_window: int | None = None,
     layout: str = "zigzag",
+    images: tuple[Image, ...] = (),
 ) -> RingPlan:
-    """The sub-block tasks of ``rank`` at every ring step for packed rows ``segments`` (global coordinates)."""
+    """The sub-block tasks of ``rank`` at every ring step for packed rows ``segments`` (global coordinates);
+    ``images``: ``(row, start, end)`` runs whose tokens see each other (``image_blocks.image_blocks``)."""
     ranges = {"zigzag": zigzag_ranges, "contiguous": contiguous_ranges}[layout]
     for row in segments:
         bounds = [0] + [e for _, e in row]
@@ -144,23 +150,41 @@ def plan_ring(
             raise ValueError(f"segments must tile [0, {seq_len}) with contiguous documents, got {row}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
+    images = tuple(within_documents(images, segments))
     mine = ranges(seq_len, ring_size, rank)
     steps, skipped = [], 0
     for t in range(ring_size):
         held = ranges(seq_len, ring_size, (rank - t) % ring_size)
         tasks: list[BlockTask] = []
         for rows, row in _row_groups(segments):
-            q_local = 0
-            for q_chunk in mine:
-                k_local = 0
-                for k_chunk in held:
-                    found = _pair_tasks(rows, row, q_chunk, q_local, k_chunk, k_local, sliding_window)
-                    skipped += not found
-                    tasks += found
-                    k_local += k_chunk[1] - k_chunk[0]
-                q_local += q_chunk[1] - q_chunk[0]
+            for q_chunk, q_local, k_chunk, k_local in _chunk_pairs(mine, held):
+                found = _pair_tasks(rows, row, q_chunk, q_local, k_chunk, k_local, sliding_window)
+                skipped += not found
+                tasks += found
+        for q_chunk, q_local, k_chunk, k_local in _chunk_pairs(mine, held) if images else ():
+            tasks += _image_tasks(images, q_chunk, q_local, k_chunk, k_local)
         steps.append(tuple(tasks))
     return RingPlan(seq_len, ring_size, rank, sliding_window, tuple(steps), skipped)
+
+
+def _chunk_pairs(mine: list[Range], held: list[Range]) -> list[tuple[Range, int, Range, int]]:
+    """Every (query chunk, its local start, key chunk, its local start) of this rank's and the held portion."""
+    q_starts = [sum(e - s for s, e in mine[:i]) for i in range(len(mine))]
+    k_starts = [sum(e - s for s, e in held[:i]) for i in range(len(held))]
+    return [(q, ql, k, kl) for q, ql in zip(mine, q_starts, strict=True) for k, kl in zip(held, k_starts, strict=True)]
+
+
+def _image_tasks(images: tuple[Image, ...], q_chunk: Range, q_local: int, k_chunk: Range, k_local: int):
+    """One task per image with pairs ``p < j`` between the two chunks (a single row each)."""
+    tasks = []
+    for image in images:
+        found = future_pairs(image, q_chunk, k_chunk)
+        if found is not None:
+            kind, (q0, q1), (k0, k1) = found
+            q_range = (q_local + q0 - q_chunk[0], q_local + q1 - q_chunk[0])
+            k_range = (k_local + k0 - k_chunk[0], k_local + k1 - k_chunk[0])
+            tasks.append(BlockTask((image[0], image[0] + 1), q_range, k_range, kind, q0, k0))
+    return tasks
 
 
 # -- work ---------------------------------------------------------------------------------------------------------
@@ -169,6 +193,8 @@ def visible_pairs(task: BlockTask, window: int | None) -> int:
     nq, nk = task.q[1] - task.q[0], task.k[1] - task.k[0]
     if task.kind == "full":
         return nq * nk
+    if task.kind == "future":  # key b serves query a when b > a + offset
+        return sum(max(0, nk - max(0, a + task.offset + 1)) for a in range(nq))
     if task.kind == "causal":
         w = window or 0
         return sum(n * (n + 1) // 2 if not w or w >= n else w * (w + 1) // 2 + (n - w) * w for n in task.docs)

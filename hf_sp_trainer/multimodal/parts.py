@@ -19,7 +19,7 @@ ENCODER_CONFIG_HINTS = ("vision", "audio", "image", "video", "speech", "vq")
 # The VLM base models whose SP runs are proven exact by tests/test_multimodal.py (each has cases there; a test keeps
 # the two in step). Any other VLM is refused: the generic path may well hold for it, but unproven it could be
 # silently wrong (a merge that is not one feature row per placeholder, positions computed in the forward, ...).
-# Bidirectional within each image (``token_type_ids`` runs; ``attention/image_blocks.py``), under Ulysses only.
+# Bidirectional within each image (``token_type_ids`` runs; ``attention/image_blocks.py``), Ulysses and ring.
 IMAGE_BLOCK_MODELS = frozenset({"Gemma3Model"})
 VERIFIED = frozenset(
     {
@@ -152,7 +152,7 @@ def check_multimodal(model: PreTrainedModel, sp_size: int) -> None:
 
 
 def uses_image_blocks(model: torch.nn.Module) -> bool:
-    """Image tokens attend bidirectionally within their image (Gemma3), which SP computes under Ulysses only."""
+    """Image tokens attend bidirectionally within their image (Gemma3): extra pairs of SP's block plan."""
     base = vlm_base(model)
     return base is not None and type(base).__name__ in IMAGE_BLOCK_MODELS
 
