@@ -27,5 +27,9 @@ class SPDPOTrainer(PreferenceSPMixin, trl.DPOTrainer):
     Policy and reference (a ``ref_model``, TRL's copy of the policy, or the adapter-disabled policy with LoRA) run on
     sequence shards; per-token log-probs are summed over the SP group with autograd, so every DPO loss type, the
     ``ld_alpha`` and WPO variants, the loss, gradients and every logged metric equal the single-process
-    ``DPOTrainer`` ones. With ``sp_size=1`` it is exactly ``DPOTrainer``.
+    ``DPOTrainer`` ones. With ``sp_size=1`` it is exactly ``DPOTrainer``. On TRL's vision preference data
+    (``images`` + ``prompt`` / ``chosen`` / ``rejected``, a processor as ``processing_class``) each rank encodes the
+    batch's images and keeps the feature rows of its own placeholders, for VLMs with 1-D positions.
     """
+
+    sp_vision_data = True

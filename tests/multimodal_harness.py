@@ -717,3 +717,62 @@ def sft_vlm(sp_size: int, out_dir: str, steps: int = 3, assistant_only: bool = F
     params = full_parameters(model)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     return {"losses": [x for x, _ in logs], "grad_norms": [g for _, g in logs], "params": params if rank0 else None}
+
+
+def vision_preferences(n: int = 8, seed: int = 1) -> list[dict]:
+    """TRL's conversational vision preference format: ``images``, a user ``prompt`` (0-2 images, one placeholder
+    each, and text), and a ``chosen`` / ``rejected`` assistant answer of different lengths."""
+    rows = []
+    for i, row in enumerate(vision_conversations(n, seed)):
+        user, answer = row["messages"]
+        text = answer["content"][0]["text"]
+        rejected = {"role": "assistant", "content": [{"type": "text", "text": text[::-1] + "zu" * (i % 3)}]}
+        rows.append({"images": row["images"], "prompt": [user], "chosen": [answer], "rejected": [rejected]})
+    return rows
+
+
+def dpo_vlm(sp_size: int, out_dir: str, steps: int = 3) -> dict:
+    """Three SGD steps of TRL DPO on vision preference rows (LLaVA, a reference model given): ``trl.DPOTrainer``
+    (``sp_size=1``) or ``SPDPOTrainer``; the logged metrics, eval metrics and the policy's weights."""
+    import torch.distributed as dist
+    import trl
+    from datasets import Dataset
+
+    from hf_sp_trainer import DPOConfig, SPDPOTrainer
+    from tests.harness import full_parameters, quiet_args
+
+    model, ref = build_vlm("llava"), build_vlm("llava", seed=1)  # a reference other than the policy
+    common = dict(
+        quiet_args(out_dir, steps),
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        gradient_accumulation_steps=2,
+        optim="sgd",
+        learning_rate=0.5,
+        lr_scheduler_type="constant",
+        max_length=None,
+        bf16=False,  # TRL defaults to bf16; the equivalence is checked in fp32
+        dataset_num_proc=None,
+    )
+    if sp_size == 1:
+        trainer_cls, args = trl.DPOTrainer, trl.DPOConfig(**common)
+    else:
+        trainer_cls, args = SPDPOTrainer, DPOConfig(**common, sp_size=sp_size, ddp_backend="gloo")
+    rows = vision_preferences(4 * steps + 4)
+    trainer = trainer_cls(
+        model=model,
+        ref_model=ref,
+        args=args,
+        train_dataset=Dataset.from_list(rows[: 4 * steps]),
+        eval_dataset=Dataset.from_list(rows[4 * steps :]),
+        processing_class=tiny_llava_processor(),
+    )
+    trainer.train()
+    evals = {
+        k: v for k, v in trainer.evaluate().items() if k not in ("eval_runtime", "epoch") and "per_second" not in k
+    }
+    skip = ("epoch", "step", "tokens_per_second_per_rank", "step_time_s", "peak_memory_mb", "mfu")
+    logs = [{k: v for k, v in e.items() if k not in skip} for e in trainer.state.log_history if "grad_norm" in e]
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    params = full_parameters(model) if rank0 else None
+    return {"logs": logs, "eval": evals, "reward_predictions": None, "params": params}

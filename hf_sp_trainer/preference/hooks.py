@@ -28,6 +28,7 @@ from .reduce import sequence_all_reduce
 _LOGPROB_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 _BOOL_FIELDS = ("is_top1", "label_mask")
 _PASSED_THROUGH = ("input_ids", "attention_mask", "labels", "use_cache", "fused_lm_head", "num_items_in_batch")
+TOKEN_TYPE_KEYS = ("token_type_ids", "mm_token_type_ids")  # a VLM's per-token types: packed like input_ids
 
 
 def _split_kwargs(model: nn.Module, args: tuple, kwargs: dict[str, Any], router_logits: bool = False) -> dict[str, Any]:
@@ -36,14 +37,14 @@ def _split_kwargs(model: nn.Module, args: tuple, kwargs: dict[str, Any], router_
     if args:
         raise ValueError(f"Under sequence parallelism, call {type(model).__name__} with keyword arguments only.")
     seq = kwargs["input_ids"].shape[1]
-    others = {k: v for k, v in kwargs.items() if k not in _PASSED_THROUGH}
+    others = {k: v for k, v in kwargs.items() if k not in (*_PASSED_THROUGH, *TOKEN_TYPE_KEYS)}
     per_token = [k for k, v in others.items() if torch.is_tensor(v) and v.ndim >= 2 and v.shape[1] == seq]
     if per_token or (others.get("output_router_logits") and not router_logits):
         raise ValueError(
             f"Sequence parallelism does not shard {per_token or ['output_router_logits']} in preference training "
-            "(vision inputs, token types, MoE router logits). Use text-only dense models, or sp_size=1."
+            "(per-token inputs besides the tokens and their types, MoE router logits). Use sp_size=1."
         )
-    return others
+    return others  # media (pixel values, grids) pass whole: the VLM's media pre-hook picks each rank's rows
 
 
 class _Hooks:
@@ -79,6 +80,7 @@ class _Hooks:
             labels,
             self.pad_token_id,
             column_positions=self.column_positions,
+            token_types={k: kwargs[k] for k in TOKEN_TYPE_KEYS if kwargs.get(k) is not None},
         )
 
     def reduce(self, local: torch.Tensor, packed: PackedShard) -> torch.Tensor:

@@ -57,6 +57,7 @@ def pack_and_shard(
     labels: torch.Tensor | None = None,
     pad_token_id: int = 0,
     column_positions: bool = False,
+    token_types: dict[str, torch.Tensor] | None = None,
 ) -> PackedShard:
     """Pack the real tokens of a right-padded ``[rows, seq]`` batch into one row and return ``sp_rank``'s shard.
 
@@ -64,6 +65,7 @@ def pack_and_shard(
     padded rows (``-100`` ignored), shifted here before packing and returned as ``shift_labels``.
     ``column_positions``: each token keeps its column index as position (what transformers uses when a padded batch
     is given without ``position_ids``; GRPO/RLOO's left-padded prompts), and any mask is accepted.
+    ``token_types``: ``[rows, seq]`` tensors packed like ``input_ids`` (a VLM's ``token_type_ids``).
     """
     mask = real_token_mask(input_ids, attention_mask, right_padded=not column_positions)
     if column_positions:
@@ -71,6 +73,7 @@ def pack_and_shard(
     else:
         positions = mask.long().cumsum(dim=1) - 1
     batch = {"input_ids": input_ids[mask].unsqueeze(0), "position_ids": positions[mask].unsqueeze(0)}
+    batch |= {key: value[mask].unsqueeze(0) for key, value in (token_types or {}).items()}
     if labels is not None:
         batch["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)[mask].unsqueeze(0)
     flat_slots = slots[mask]

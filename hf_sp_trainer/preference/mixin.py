@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..attention import validate_model_for_sp
+from ..multimodal.features import MediaFeatures
+from ..multimodal.parts import is_multimodal, uses_mrope
 from ..trainer import SequenceParallelMixin, unwrap_model
 from .hooks import LogProbHooks
 
@@ -38,6 +40,7 @@ class PreferenceSPMixin(SequenceParallelMixin):
     sp_fuses_lm_loss = True  # TRL's fused LM head (or a classification head): fused_loss has nothing to do
     sp_shards_batch = False  # the model hooks shard inside each forward
     sp_hooks_cls: type = LogProbHooks
+    sp_vision_data = False  # TRL's vision preference batches (DPO): tested exact for VLMs with 1-D positions
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -54,10 +57,19 @@ class PreferenceSPMixin(SequenceParallelMixin):
             "it needs full [seq, vocab] logits, which the fused log-prob forward never builds",
             "Use the logged reward / logp metrics, or evaluate with sp_size=1.",
         )
+        model = unwrap_model(self.model)
+        vision = getattr(self, "_is_vision_dataset", False)
         refuse(
-            {"vision datasets": getattr(self, "_is_vision_dataset", False)},
-            "only text tokens are sharded",
+            {"vision datasets": vision and not (self.sp_vision_data and is_multimodal(model))},
+            f"{type(self).__name__} with {type(model).__name__} shards text tokens only"
+            + ("" if self.sp_vision_data else " (vision data: SPDPOTrainer)"),
             "Use a text-only dataset, or sp_size=1.",
+        )
+        refuse(
+            {"vision datasets with multimodal rotary positions": vision and uses_mrope(model)},
+            f"{type(model).__name__}'s 3-D rotary positions would have to be computed per sequence before packing, "
+            "which the preference trainers don't do yet",
+            "Use a VLM with 1-D positions (LLaVA-style; proven exact on LLaVA), or sp_size=1.",
         )
 
     def _sp_attach_hooks(self) -> None:
@@ -83,6 +95,8 @@ class PreferenceSPMixin(SequenceParallelMixin):
                 )
             # The policy's attention object (one is registered per process): its layout is set by whichever runs
             self.sp.attention.attach(ref)
+            if is_multimodal(ref):  # its own encoder, the same placeholder rows per rank
+                self._sp_ref_media = MediaFeatures(ref, topo, self.sp.sharding)
             if args.tiled_mlp:  # the reference runs at the same sequence length as the policy
                 from ..memory.tiled_mlp import apply_tiled_mlp
 
