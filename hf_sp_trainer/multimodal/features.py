@@ -23,6 +23,8 @@ from ..topology import SPTopology
 from .parts import shared_placeholder, text_decoder, token_ids, uses_image_blocks, uses_mrope, vlm_base
 
 PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
+# The encoder's per-patch states of the whole batch (LLaVA: every layer's): not needed past the feature selection
+_PATCH_STATES = ("last_hidden_state", "hidden_states", "attentions")
 
 
 class MediaFeatures:
@@ -89,13 +91,13 @@ class MediaFeatures:
             rank = (full[i].flatten().cumsum(0) - 1).view_as(full[i])  # global placeholder index, row-major (b, s)
             index = rank[:, positions][local[i].bool()].to(rows.device)  # this rank's placeholders, in local order
             mine = rows.index_select(0, index)
-            encoded.pooler_output = (mine,) if split else mine
-            deep = getattr(encoded, "deepstack_features", None)
-            if deep:  # Qwen3-VL: the same rows of every deepstack level
-                encoded.deepstack_features = [(_cat(level).index_select(0, index),) for level in deep]
-            if hasattr(encoded, "last_hidden_state"):
-                encoded.last_hidden_state = None  # the whole batch's patch states: not needed past this point
-            outputs[modality] = encoded
+            fields = {k: v for k, v in encoded.items() if k not in _PATCH_STATES}
+            fields["pooler_output"] = (mine,) if split else mine
+            if fields.get("deepstack_features"):  # Qwen3-VL: the same rows of every deepstack level
+                fields["deepstack_features"] = [
+                    (_cat(level).index_select(0, index),) for level in encoded.deepstack_features
+                ]
+            outputs[modality] = type(encoded)(**fields)  # a new output: the old one's dict still holds every state
             kwargs[PIXELS[modality]] = None
         kwargs["mm_encoder_outputs"] = outputs
         return args, kwargs
