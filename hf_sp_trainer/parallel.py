@@ -101,12 +101,14 @@ def apply_sequence_parallel(
     ring_size: int | None = None,
     attn_implementation: str | None = None,
     state_passing: str = "gather",
+    split_media: bool = False,
 ) -> SequenceParallel:
     """Split every sequence of ``model``'s inputs over ``sp_size`` ranks (``ulysses x ring``).
 
     ``ring_size`` defaults to the smallest ring that leaves a Ulysses degree dividing the query heads;
     ``attn_implementation`` is the kernel run inside (default: the model's own); ``state_passing`` how hybrid layers
-    carry their recurrent state across the ranks ("gather", or "relay": a sequential debugging aid). Collective:
+    carry their recurrent state across the ranks ("gather", or "relay": a sequential debugging aid); ``split_media``
+    whether a VLM's images / videos are split over the ranks, their features exchanged (``media_split.py``). Collective:
     every rank of the default process group calls it. Raises a ``ValueError`` on every rank, before any
     communication, for a model or split that can't work.
     """
@@ -121,7 +123,7 @@ def apply_sequence_parallel(
     attention.attach(model)
     attach_mixers(model, topology, sharding, state_passing)  # hybrid layers' convs and recurrences, exact
     router_loss = sp_router_loss(model, topology.sp_group)
-    media = MediaFeatures(model, topology, sharding) if is_multimodal(model) else None
+    media = MediaFeatures(model, topology, sharding, split_media) if is_multimodal(model) else None
     if topology.rank == 0:
         heads, kv_heads = head_counts(model.config)
         logger.info(

@@ -176,6 +176,7 @@ class Setting:
     device: str = "cuda"
     image_share: float = 0.0  # VLMs: the fraction of the row's tokens that are image placeholders
     vision_trained: bool | None = None  # VLMs: the tower trains (default: unless LoRA, which freezes it)
+    split_media: bool = False  # VLMs: sp_split_media (each rank encodes 1/sp of the images)
 
     def validate(self) -> None:
         if self.gpus < 1 or self.sp < 1 or self.gpus % self.sp:
@@ -299,9 +300,10 @@ def estimate(m: ModelShape, s: Setting, length: int) -> Breakdown:
         optimizer_step = 4 * trainable / opt_shards
 
     vision = {"saved": 0.0}
-    if m.vision is not None:  # every rank encodes the whole row's images (phase 1)
+    if m.vision is not None:  # every rank encodes the whole row's images (phase 1), or 1/sp of them (phase 2)
         trained = (not s.lora) if s.vision_trained is None else s.vision_trained
-        vision = vision_memory(m.vision, length, s.image_share, trained, s.checkpointing != "none", b, n, s.zero)
+        ckpt, split = s.checkpointing != "none", s.sp if s.split_media else 1
+        vision = vision_memory(m.vision, length, s.image_share, trained, ckpt, b, n, s.zero, split)
         weights += vision["weights"]
         gradients += vision["gradients"]
         optimizer_states += vision["optimizer_states"]

@@ -56,15 +56,17 @@ class VisionShape:
 
 
 def vision_memory(v: VisionShape, length: int, image_share: float, trained: bool, checkpointing: bool, b: int,
-                  ranks: int, zero: int) -> dict[str, float]:  # fmt: skip
+                  ranks: int, zero: int, split: int = 1) -> dict[str, float]:  # fmt: skip
     """Per-rank bytes of the tower: ``weights``, ``gradients``, ``optimizer_states``, ``buckets`` (trained only) and
-    ``saved`` (the activations alive at the start of the decoder's backward)."""
+    ``saved`` (the activations alive at the start of the decoder's backward). ``split``: the ranks the images are
+    split over (``sp_split_media``; 1: every rank encodes all): the row's pixels stay whole in every rank's batch,
+    the tower's saved activations are those of ``1 / split`` of the patches."""
     patches = math.ceil(image_share * length) * v.patches_per_token
     out = {"weights": v.params * b / (ranks if zero == 3 else 1), "saved": patches * v.patch_dim * 4.0}
     if not trained:
         return out | {"gradients": 0.0, "optimizer_states": 0.0, "buckets": 0.0}
     per_block = v.hidden if checkpointing else VISION_SAVED_HIDDEN * v.hidden + VISION_SAVED_MLP * v.intermediate
-    out["saved"] += patches * v.depth * per_block * b
+    out["saved"] += math.ceil(patches / split) * v.depth * per_block * b
     out["gradients"] = v.params * b / (ranks if zero >= 2 else 1)
     out["optimizer_states"] = v.params * (12 if b == 2 else 8) / (ranks if zero >= 1 else 1)
     out["buckets"] = v.params * b if (zero == 0 and ranks > 1) else 0.0

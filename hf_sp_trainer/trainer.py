@@ -78,6 +78,7 @@ class SequenceParallelMixin:
                 ring_size=self.args.sp_ring_size,
                 attn_implementation=self.args.sp_attn_implementation,
                 state_passing=self.args.sp_state_passing,
+                split_media=self.args.sp_split_media,
             )
             self._sp_pad_id = pad_token_id(self.model, self.processing_class)
             if self.args.torch_compile:  # the decoder layers, not the whole model (see create_accelerator_...)

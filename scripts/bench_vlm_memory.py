@@ -4,11 +4,13 @@ One real ``SPTrainer`` step (forward, backward, AdamW; after a short warm-up ste
 (text: hidden 256, 4 layers; vision: patch 14, hidden 128, 2 blocks) per rank at sp 1 / 2 / 4. The row is one
 document of ``--lengths`` tokens, ``--image-share`` of them image placeholders (images of ``--grid`` patches, 4
 patches per placeholder after the 2x2 merge). Phase 1 of the VLM design: every rank encodes every image of the row,
-so the vision tower's activations do not shrink with sp, the decoder's do. ``--tower frozen`` trains the decoder only
-(the tower runs under ``no_grad``), ``trained`` trains both. CPU peak = VmHWM of the measured step (glibc told to
-return freed memory). Writes ``vlm_memory.csv/json/png`` to ``--out``.
+so the vision tower's activations do not shrink with sp, the decoder's do; ``--media split`` (phase 2,
+``sp_split_media``) splits the images over the ranks instead. ``--tower frozen`` trains the decoder only (the tower
+runs under ``no_grad``), ``trained`` trains both. CPU peak = VmHWM of the measured step (glibc told to return freed
+memory). Writes ``vlm_memory.csv/json/png`` to ``--out``.
 
-    python scripts/bench_vlm_memory.py --sp 1 2 4 --lengths 4096 16384 --tower trained frozen --out docs/benchmarks/vlm
+    python scripts/bench_vlm_memory.py --sp 1 2 4 --lengths 4096 16384 --tower trained frozen --media whole split \
+        --out docs/benchmarks/vlm
     python scripts/bench_vlm_memory.py --smoke            # tests/test_scripts.py
 """
 
@@ -63,7 +65,7 @@ def long_row(length: int, image_share: float, grid: int, generator: torch.Genera
     return row
 
 
-def measure(opts, sp: int, tower: str, length: int, out_dir: str) -> dict:
+def measure(opts, sp: int, tower: str, length: int, media: str, out_dir: str) -> dict:
     from torch.utils.data import SequentialSampler
     from transformers import PrinterCallback, Qwen2VLForConditionalGeneration
 
@@ -81,14 +83,15 @@ def measure(opts, sp: int, tower: str, length: int, out_dir: str) -> dict:
         output_dir=out_dir, sp_size=sp, max_steps=2, per_device_train_batch_size=1, optim="adamw_torch",
         learning_rate=1e-5, save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=10, use_cpu=True,
         ddp_backend="gloo" if sp > 1 else None, dataloader_num_workers=0, remove_unused_columns=False,
-        sp_throughput_logging=False,
+        sp_throughput_logging=False, sp_split_media=media == "split",
     )  # fmt: skip
     generator = torch.Generator().manual_seed(length)
     rows = [long_row(min(512, length), opts.image_share, opts.grid, generator)]
     rows.append(long_row(length, opts.image_share, opts.grid, generator))
     images = len(rows[1].get("image_grid_thw", []))
     image_tokens = int((rows[1]["input_ids"] == IMG).sum())
-    record = {"sp": sp, "tower": tower, "length": length, "images": images, "image_tokens": image_tokens}
+    record = {"sp": sp, "tower": tower, "media": media, "length": length, "images": images}
+    record["image_tokens"] = image_tokens
     trainer = Trainer(
         model=model, args=args, train_dataset=rows, data_collator=SPMultimodalCollator(model),  # sp 1 too: one row
         callbacks=[_step_callback("cpu", 1, record)],
@@ -132,8 +135,9 @@ def run(opts, sp: int, jobs: list[tuple[str, int]]) -> list[dict]:
     with open(out_path) as f:
         rows = json.load(f)
     for r in rows:
-        print(f"sp={r['sp']} tower {r['tower']:>7} len {r['length']:>6} ({r['images']} images, {r['image_tokens']} "
-              f"image tokens): peak {r['peak_mb']:7.0f} MB/rank  step {r['step_s']:6.2f} s", flush=True)  # fmt: skip
+        what = f"sp={r['sp']} tower {r['tower']:>7} {r['media']:>5} len {r['length']:>6}"
+        print(f"{what} ({r['images']} images, {r['image_tokens']} image tokens): peak {r['peak_mb']:7.0f} MB/rank  "
+              f"step {r['step_s']:6.2f} s", flush=True)  # fmt: skip
     return rows
 
 
@@ -149,10 +153,15 @@ def save(opts, rows: list[dict]) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    for tower in dict.fromkeys(r["tower"] for r in rows):
+    for tower, media in dict.fromkeys((r["tower"], r["media"]) for r in rows):
         for length in sorted({r["length"] for r in rows}):
-            pick = sorted((r for r in rows if (r["tower"], r["length"]) == (tower, length)), key=lambda r: r["sp"])
-            ax.plot([r["sp"] for r in pick], [r["peak_mb"] for r in pick], marker="o", label=f"{tower}, {length}")
+            key = (tower, media, length)
+            pick = [r for r in rows if (r["tower"], r["length"]) == (tower, length) and r["sp"] == 1]
+            pick += [r for r in rows if (r["tower"], r["media"], r["length"]) == key and r["sp"] > 1]
+            pick.sort(key=lambda r: r["sp"])
+            style = "--" if media == "split" else "-"
+            ax.plot([r["sp"] for r in pick], [r["peak_mb"] for r in pick], style, marker="o",
+                    label=f"{tower}, {media}, {length}")  # fmt: skip
     ax.set(xlabel="sp", ylabel="peak MB per rank", title="one long multimodal row (Qwen2-VL-shaped)")
     ax.set_xscale("log", base=2)
     ax.legend(fontsize=7)
@@ -165,6 +174,13 @@ def main() -> None:
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--tower", nargs="+", default=["trained", "frozen"], choices=["trained", "frozen"])
+    parser.add_argument(
+        "--media",
+        nargs="+",
+        default=["whole"],
+        choices=["whole", "split"],
+        help="whole: every rank encodes all images (phase 1); split: sp_split_media (phase 2)",
+    )
     parser.add_argument("--image-share", type=float, default=0.5)
     parser.add_argument("--grid", type=int, default=16, help="patches per image side (grid**2 / 4 placeholders)")
     parser.add_argument("--layers", type=int, default=4)
@@ -177,7 +193,8 @@ def main() -> None:
     set_malloc_env()
     rows = []
     for sp in opts.sp:
-        rows += run(opts, sp, [(tower, length) for tower in opts.tower for length in opts.lengths])
+        media = opts.media if sp > 1 else ["whole"]  # one process has nothing to split
+        rows += run(opts, sp, [(t, n, m) for t in opts.tower for n in opts.lengths for m in media])
     save(opts, rows)
 
 

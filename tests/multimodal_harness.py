@@ -487,6 +487,13 @@ LAYOUTS = {
         Doc((0, 3, 2), (("image", (1, 4, 6)), ("image", (1, 2, 2)))),
     ],
     "videos": [Doc((1, 2), (("video", (2, 4, 8)),)), Doc((1,)), Doc((2, 1), (("video", (2, 2, 2)),))],
+    # enough media to split over 4 ranks (phase 2): five images of three sizes, two of them adjacent, two videos
+    "many": [
+        Doc((0, 3, 2), (("image", (1, 4, 4)), ("image", (1, 2, 2)))),
+        Doc((4,)),
+        Doc((1, 2, 0, 3), (("image", (1, 4, 6)), ("image", (1, 2, 4)), ("image", (1, 4, 4)))),
+        Doc((2, 1, 1), (("video", (2, 4, 4)), ("video", (2, 2, 2)))),
+    ],
 }
 
 
@@ -496,11 +503,12 @@ class Case:
     layout: str
     ring: int | None = None
     frozen: bool = False  # the vision tower frozen: encoded under no_grad, only the decoder trains
+    split: bool = False  # phase 2: the media split over the SP ranks, their features exchanged
 
     @property
     def name(self) -> str:
         ring = f"_ring{self.ring}" if self.ring else ""
-        return f"{self.family}_{self.layout}{ring}{'_frozen' if self.frozen else ''}"
+        return f"{self.family}_{self.layout}{ring}{'_frozen' if self.frozen else ''}{'_split' if self.split else ''}"
 
 
 def run_case(case: Case, sp_size: int) -> dict:
@@ -512,10 +520,12 @@ def run_case(case: Case, sp_size: int) -> dict:
     examples = make_examples(LAYOUTS[case.layout], case.family)
     ref = reference(model, examples)
     batch = SPMultimodalCollator(model)(examples)
-    with apply_sequence_parallel(model, sp_size, ring_size=case.ring) as sp:
+    with apply_sequence_parallel(model, sp_size, ring_size=case.ring, split_media=case.split) as sp:
         got = sp_run(model, sp, batch)
+        exchanged = sp.media.exchanged
     worst, where = worst_error(ref, got)
-    return {"error": worst, "where": where, "length": batch["input_ids"].shape[1], "params": len(ref[1])}
+    length = batch["input_ids"].shape[1]
+    return {"error": worst, "where": where, "length": length, "params": len(ref[1]), "exchanged": exchanged}
 
 
 def run_matrix(cases: list[Case], sp_size: int) -> dict[str, dict]:
@@ -590,11 +600,19 @@ TRAIN_DOCS = [
 
 
 def train_vlm(
-    family: str, sp_size: int, ring: int | None, out_dir: str, steps: int = 3, ga: int = 2, lora: bool = False
+    family: str,
+    sp_size: int,
+    ring: int | None,
+    out_dir: str,
+    steps: int = 3,
+    ga: int = 2,
+    lora: bool = False,
+    split: bool = False,
 ) -> dict:
     """Train ``steps`` SGD steps (4 documents per micro-batch and data-parallel rank, ``ga`` micro-batches a step):
     plain ``Trainer`` with ``pad_rows`` (``sp_size=1``: one process, or DDP where spawned), else ``SPTrainer`` with its
-    default (multimodal packing) collator. ``lora``: LoRA on the decoder's q/v projections, the tower frozen."""
+    default (multimodal packing) collator. ``lora``: LoRA on the decoder's q/v projections, the tower frozen;
+    ``split``: ``sp_split_media`` (phase 2)."""
     import torch.distributed as dist
     import transformers
 
@@ -622,13 +640,15 @@ def train_vlm(
         args = transformers.TrainingArguments(**common)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=examples, data_collator=pad_rows)
     else:
-        args = TrainingArguments(**common, sp_size=sp_size, sp_ring_size=ring)
+        args = TrainingArguments(**common, sp_size=sp_size, sp_ring_size=ring, sp_split_media=split)
         trainer = SPTrainer(model=model, args=args, train_dataset=examples)
     trainer.train()
     logs = logged_steps(trainer)
     params = full_parameters(model)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    return {"losses": [x for x, _ in logs], "grad_norms": [g for _, g in logs], "params": params if rank0 else None}
+    exchanged = trainer.sp.media.exchanged if sp_size > 1 else 0  # the last forward's media kinds split (phase 2)
+    out = {"losses": [x for x, _ in logs], "grad_norms": [g for _, g in logs], "exchanged": exchanged}
+    return out | {"params": params if rank0 else None}
 
 
 # ----------------------------------------------------------------------------------------------------------------

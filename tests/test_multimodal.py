@@ -62,6 +62,11 @@ SP2 = [
     Case("got_ocr2", "padded", ring=2),
     Case("llava_onevision", "mixed"),  # one image: tiles; several: base views only (batch_num_images)
     Case("llava_onevision", "padded", ring=2),
+    # phase 2: the media split over the ranks, their features exchanged
+    Case("qwen2_vl", "mixed", split=True),  # two images split, the one video encoded by both ranks
+    Case("llava", "many", split=True),
+    Case("glm4v", "images", ring=2, split=True),
+    Case("gemma3", "many", frozen=True, split=True),
 ]
 SP4 = [
     Case("qwen2_vl", "mixed", ring=2),
@@ -90,6 +95,9 @@ SP4 = [
     Case("got_ocr2", "mixed", ring=2),
     Case("llava_onevision", "padded"),
     Case("llava_onevision", "mixed", ring=2),
+    Case("qwen3_vl", "many", ring=2, split=True),  # deepstack levels exchanged with the features
+    Case("qwen2_5_vl", "many", split=True),
+    Case("llava", "many", ring=2, split=True),
 ]
 
 
@@ -107,6 +115,7 @@ def sp4_results() -> dict[str, dict]:
 def test_vlm_sp2_matches_each_document_alone(case: Case, sp2_results: dict) -> None:
     result = sp2_results[case.name]
     assert result["error"] <= TOL, f"{case.name}: {result['error']:.2e} at {result['where']}"
+    assert (result["exchanged"] > 0) == case.split, result  # phase 2 ran where asked, and only there
 
 
 @pytest.mark.slow
@@ -114,6 +123,7 @@ def test_vlm_sp2_matches_each_document_alone(case: Case, sp2_results: dict) -> N
 def test_vlm_sp4_matches_each_document_alone(case: Case, sp4_results: dict) -> None:
     result = sp4_results[case.name]
     assert result["error"] <= TOL, f"{case.name}: {result['error']:.2e} at {result['where']}"
+    assert (result["exchanged"] > 0) == case.split, result
 
 
 def test_layouts_cover_the_hard_places() -> None:
@@ -133,18 +143,19 @@ def test_layouts_cover_the_hard_places() -> None:
     assert padded.shape[1] % 4 and padded.shape[1] % 2, padded.shape
 
 
-def _sp_trainer_job(family: str, sp_size: int, ring: int | None, lora: bool) -> dict:
+def _sp_trainer_job(family: str, sp_size: int, ring: int | None, lora: bool, split: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        return train_vlm(family, sp_size, ring, out, lora=lora)
+        return train_vlm(family, sp_size, ring, out, lora=lora, split=split)
 
 
-TRAINER_CASES = {  # name: (family, world size, sp_size, ring, lora); the reference: plain Trainer on world / sp DDP
-    "qwen2_vl_sp2_ga2": ("qwen2_vl", 2, 2, None, False),
-    "qwen2_vl_lora_frozen_tower_sp2": ("qwen2_vl", 2, 2, None, True),
-    "qwen3_vl_sp4_ring2_ga2": ("qwen3_vl", 4, 4, 2, False),
-    "qwen2_vl_dp2_sp2": ("qwen2_vl", 4, 2, None, False),
-    "gemma3_sp2_ring2_ga2": ("gemma3", 2, 2, 2, False),  # each image's tokens see the whole image, over a ring
-    "smolvlm_sp2_ga2": ("smolvlm", 2, 2, None, False),  # 1-D positions, the decoder at text_model
+# name: (family, world size, sp_size, ring, lora, split media); the reference: plain Trainer on world / sp DDP
+TRAINER_CASES = {
+    "qwen2_vl_sp2_ga2": ("qwen2_vl", 2, 2, None, False, False),
+    "qwen2_vl_lora_frozen_tower_sp2": ("qwen2_vl", 2, 2, None, True, False),
+    "qwen3_vl_sp4_ring2_ga2": ("qwen3_vl", 4, 4, 2, False, False),
+    "qwen2_vl_dp2_sp2_split_media": ("qwen2_vl", 4, 2, None, False, True),  # phase 2 under data parallelism too
+    "gemma3_sp2_ring2_ga2": ("gemma3", 2, 2, 2, False, False),  # each image's tokens see the whole image, over a ring
+    "smolvlm_sp2_ga2": ("smolvlm", 2, 2, None, False, False),  # 1-D positions, the decoder at text_model
 }
 
 
@@ -156,14 +167,15 @@ def test_sp_trainer_matches_trainer(name: str) -> None:
     (one process, or DDP for dp 2 x sp 2): per-step loss and grad_norm, and the weights after three SGD steps of two
     micro-batches each (Qwen-VL sets ``accepts_loss_kwargs = False``: the Trainer's per-micro-batch mean, reproduced
     under SP); LoRA on the decoder with the vision tower frozen."""
-    family, world, sp_size, ring, lora = TRAINER_CASES[name]
+    family, world, sp_size, ring, lora, split = TRAINER_CASES[name]
     dp = world // sp_size
     if dp == 1:
         with tempfile.TemporaryDirectory() as out:
             ref = train_vlm(family, 1, None, out, lora=lora)
     else:
         ref = unwrap_results(run_distributed(dp, _sp_trainer_job, family, 1, None, lora))[0]
-    got = unwrap_results(run_distributed(world, _sp_trainer_job, family, sp_size, ring, lora))[0]
+    got = unwrap_results(run_distributed(world, _sp_trainer_job, family, sp_size, ring, lora, split))[0]
+    assert (got["exchanged"] > 0) == split, got["exchanged"]
     for key in ("losses", "grad_norms"):
         assert len(got[key]) == len(ref[key]) == 3
         for a, b in zip(got[key], ref[key], strict=True):

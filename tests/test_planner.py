@@ -340,22 +340,23 @@ def bench_vlm_shape() -> ModelShape:
 
 def test_vlm_one_process_measurements_within_tolerance():
     """scripts/bench_vlm_memory.py's one-process rows (a Qwen2-VL-shaped model, one long multimodal row, the tower
-    trained or frozen): the whole peak and the step's own memory (less the row's pixels, which the batch holds before
-    the step) within the tolerance. At sp 2 and 4 the planner is 8-38% low on the step memory of these rows (a
-    per-row amount, ~190 MB at 16K, that doesn't shrink with sp and that the text-only rows don't show): printed here,
-    not yet explained (docs/benchmarks/vlm)."""
+    trained or frozen, the images whole or split over the ranks): the whole peak and the step's own memory (less the
+    row's pixels, which the batch holds before the step) within the tolerance. At sp 2 and 4 the planner is 7-35% low
+    on the step memory of these rows and 12-30% on the peak (one extra pixel copy at sp > 1 located, in the base; the
+    rest not): printed here, not yet held to a bound (docs/benchmarks/vlm)."""
     with open(VLM_MEASUREMENTS) as f:
         rows = json.load(f)["rows"]
     m, lines, failures = bench_vlm_shape(), [], []
     assert m.vision is not None and {r["sp"] for r in rows} >= {1, 2, 4}
     for row in rows:
-        s = Setting(gpus=row["sp"], sp=row["sp"], checkpointing="none", dtype="fp32", device="cpu",
-                    image_share=0.5, vision_trained=row["tower"] == "trained")  # fmt: skip
+        s = Setting(gpus=row["sp"], sp=row["sp"], checkpointing="none", dtype="fp32", device="cpu", image_share=0.5,
+                    vision_trained=row["tower"] == "trained", split_media=row.get("media") == "split")  # fmt: skip
         e = estimate(m, s, row["length"])
         pixels = row["image_tokens"] * m.vision.patches_per_token * m.vision.patch_dim * 4 / MIB
         step = (e.peak - e.runtime - e.weights - e.optimizer_states - e.comm_buffers) / MIB - pixels
         error, step_error = e.peak / MIB / row["peak_mb"] - 1, step / (row["peak_mb"] - row["base_mb"]) - 1
-        lines.append(f"sp{row['sp']} {row['tower']:>7} {row['length']:>6}: peak {error:+.1%}, step {step_error:+.1%}")
+        what = f"sp{row['sp']} {row['tower']:>7} {row.get('media', 'whole'):>5} {row['length']:>6}"
+        lines.append(f"{what}: peak {error:+.1%}, step {step_error:+.1%}")
         if row["sp"] == 1 and max(abs(error), abs(step_error)) > TOLERANCE:
             failures.append(lines[-1])
     print("\n".join(lines))
@@ -377,6 +378,23 @@ def test_vlm_tower_memory_is_per_row_and_frozen_costs_less():
     assert f.weights == t.weights == text_only.weights + m.vision.params * 2  # bf16 weights of the tower added
     lora = estimate(m, replace(trained, lora=True, vision_trained=None), 16384)
     assert lora.vision_activations == f.vision_activations  # LoRA: the tower is frozen
+
+
+def test_vlm_split_media_divides_the_towers_activations():
+    """``sp_split_media``: a trained tower's saved activations are a quarter at sp 4 (the pixels stay whole in every
+    rank's batch); a frozen tower saves none, so nothing changes; one process has nothing to split."""
+    m = bench_vlm_shape()
+    trained = Setting(gpus=4, sp=4, checkpointing="none", image_share=0.5, vision_trained=True)
+    frozen = replace(trained, vision_trained=False)
+    pixels = estimate(m, frozen, 16384).vision_activations
+    whole, split = (estimate(m, replace(trained, split_media=x), 16384).vision_activations for x in (False, True))
+    assert split - pixels == pytest.approx((whole - pixels) / 4, rel=1e-3) and split < whole
+    assert estimate(m, replace(frozen, split_media=True), 16384).vision_activations == pixels
+    one = replace(trained, gpus=1, sp=1)
+    assert (
+        estimate(m, replace(one, split_media=True), 16384).vision_activations
+        == estimate(m, one, 16384).vision_activations
+    )
 
 
 def test_cli_text_on_a_vlm_config(tmp_path):

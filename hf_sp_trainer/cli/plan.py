@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="VLMs: fraction of the row's tokens that are image placeholders (default 0)")  # fmt: skip
     p.add_argument("--vision", default=None, choices=["trained", "frozen"],
                    help="VLMs: the tower trains or is frozen (default: frozen with --lora, else trained)")  # fmt: skip
+    p.add_argument("--split-media", action="store_true",
+                   help="VLMs: sp_split_media (each rank encodes 1/sp of the images)")  # fmt: skip
     p.add_argument("--length", type=int, default=None, help="tokens per sequence for (a) (default: the longest)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p.parse_args(argv)
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         gpus=args.gpus, sp=args.sp or args.gpus, ring=args.ring, zero=args.zero, lora=args.lora, lora_r=args.lora_r,
         tiled_mlp=args.tiled_mlp, fused_loss=args.fused_loss, checkpointing=args.checkpointing, offload=args.offload,
         dtype=args.dtype, device=args.device, image_share=args.image_share,
-        vision_trained=None if args.vision is None else args.vision == "trained",
+        vision_trained=None if args.vision is None else args.vision == "trained", split_media=args.split_media,
     )  # fmt: skip
     try:
         setting.validate()

@@ -6,7 +6,8 @@ finds the global index of each of this rank's placeholder tokens (one small all-
 selects those rows (a differentiable ``index_select``; Qwen3-VL's deepstack levels likewise) and hands them to the
 model as ``mm_encoder_outputs``. The model's own ``get_placeholder_mask`` / ``masked_scatter`` then run unchanged on
 the shard: no rank builds the whole sequence's embeddings, and each encoder gradient arrives through the rank's own
-rows (summed over the SP group by the data-parallel reduction, as for ``embed_tokens``).
+rows (summed over the SP group by the data-parallel reduction, as for ``embed_tokens``). With ``split_media`` (phase
+2, ``media_split.py``) each rank encodes only a group of the media and the feature rows are exchanged.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..attention.all_to_all import all_gather_along
 from ..attention.image_blocks import IMAGE_BLOCKS_KWARG, image_blocks
 from ..sharding import SequenceSharding
 from ..topology import SPTopology
+from .media_split import encode_split
 from .parts import shared_placeholder, text_decoder, token_ids, uses_image_blocks, uses_mrope, vlm_base
 
 PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
@@ -30,8 +32,11 @@ _PATCH_STATES = ("last_hidden_state", "hidden_states", "attentions")
 class MediaFeatures:
     """The pre-hook that gives each rank the encoder features of its own placeholder tokens."""
 
-    def __init__(self, model: PreTrainedModel, topology: SPTopology, sharding: SequenceSharding):
-        self.topology, self.sharding = topology, sharding
+    def __init__(
+        self, model: PreTrainedModel, topology: SPTopology, sharding: SequenceSharding, split_media: bool = False
+    ):
+        self.topology, self.sharding, self.split_media = topology, sharding, split_media
+        self.exchanged = 0  # media kinds split over the ranks in the last forward (phase 2)
         self.token_ids = token_ids(model)
         self.mrope = uses_mrope(model)
         self.image_blocks = uses_image_blocks(model)  # Gemma3: each image's tokens see each other
@@ -74,14 +79,21 @@ class MediaFeatures:
         full = self.sharding.unshard(all_gather_along(local, 2, group), 2)  # [m, b, s]: every rank, same values
         positions = self.sharding.positions(full.shape[-1], self.topology.sp_rank).to(full.device)
         outputs = dict(kwargs.get("mm_encoder_outputs") or {})
+        self.exchanged = 0
         trainable = torch.is_grad_enabled() and any(p.requires_grad for p in self._encoder_params)
         for i, modality in enumerate(media):
-            with torch.set_grad_enabled(trainable):
-                encoded = encode(base, modality, kwargs)
-            split = _is_split(encoded.pooler_output)  # a tuple per medium (Qwen-VL, LLaVA) or one tensor (InternVL)
-            rows = _cat(encoded.pooler_output)
-            rows = rows.reshape(-1, rows.shape[-1])
             count = int(full[i].sum())
+            with torch.set_grad_enabled(trainable):
+                exchanged = encode_split(encode, base, modality, kwargs, count, group) if self.split_media else None
+                if exchanged is None:  # phase 1 (or fewer media than ranks): every rank encodes every medium
+                    encoded = encode(base, modality, kwargs)
+                    rows = _cat(encoded.pooler_output)
+                    deep = [_cat(level) for level in getattr(encoded, "deepstack_features", None) or []]
+                else:  # phase 2: this rank's group encoded, the whole batch's rows exchanged
+                    rows, deep, encoded = exchanged
+                    self.exchanged += 1
+            split = _is_split(encoded.pooler_output)  # a tuple per medium (Qwen-VL, LLaVA) or one tensor (InternVL)
+            rows = rows.reshape(-1, rows.shape[-1])
             if count != rows.shape[0]:
                 raise ValueError(
                     f"{self.name}: the batch has {count} {modality} placeholder tokens but its {PIXELS[modality]} "
@@ -93,10 +105,8 @@ class MediaFeatures:
             mine = rows.index_select(0, index)
             fields = {k: v for k, v in encoded.items() if k not in _PATCH_STATES}
             fields["pooler_output"] = (mine,) if split else mine
-            if fields.get("deepstack_features"):  # Qwen3-VL: the same rows of every deepstack level
-                fields["deepstack_features"] = [
-                    (_cat(level).index_select(0, index),) for level in encoded.deepstack_features
-                ]
+            if deep:  # Qwen3-VL: the same rows of every deepstack level
+                fields["deepstack_features"] = [(level.index_select(0, index),) for level in deep]
             outputs[modality] = type(encoded)(**fields)  # a new output: the old one's dict still holds every state
             kwargs[PIXELS[modality]] = None
         kwargs["mm_encoder_outputs"] = outputs

@@ -96,7 +96,7 @@ class PreferenceSPMixin(SequenceParallelMixin):
             # The policy's attention object (one is registered per process): its layout is set by whichever runs
             self.sp.attention.attach(ref)
             if is_multimodal(ref):  # its own encoder, the same placeholder rows per rank
-                self._sp_ref_media = MediaFeatures(ref, topo, self.sp.sharding)
+                self._sp_ref_media = MediaFeatures(ref, topo, self.sp.sharding, args.sp_split_media)
             if args.tiled_mlp:  # the reference runs at the same sequence length as the policy
                 from ..memory.tiled_mlp import apply_tiled_mlp
 
