@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from ..multimodal.features import PIXELS
-from ..multimodal.parts import shared_placeholder, token_ids, vlm_base
+from ..multimodal.parts import PIXELS, shared_placeholder, token_ids, vlm_base
 from ..sharding import IGNORE_INDEX, MEDIA_KEYS
 
 TOKEN_KEYS = ("input_ids", "labels", "mm_token_type_ids")

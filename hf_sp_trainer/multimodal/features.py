@@ -22,9 +22,17 @@ from ..attention.image_blocks import IMAGE_BLOCKS_KWARG, image_blocks
 from ..sharding import SequenceSharding
 from ..topology import SPTopology
 from .media_split import encode_split
-from .parts import shared_placeholder, text_decoder, token_ids, uses_image_blocks, uses_mrope, vlm_base
+from .parts import (
+    PIXELS,
+    feature_rows,
+    shared_placeholder,
+    text_decoder,
+    token_ids,
+    uses_image_blocks,
+    uses_mrope,
+    vlm_base,
+)
 
-PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
 # The encoder's per-patch states of the whole batch (LLaVA: every layer's): not needed past the feature selection
 _PATCH_STATES = ("last_hidden_state", "hidden_states", "attentions")
 
@@ -87,8 +95,8 @@ class MediaFeatures:
                 exchanged = encode_split(encode, base, modality, kwargs, count, group) if self.split_media else None
                 if exchanged is None:  # phase 1 (or fewer media than ranks): every rank encodes every medium
                     encoded = encode(base, modality, kwargs)
-                    rows = _cat(encoded.pooler_output)
-                    deep = [_cat(level) for level in getattr(encoded, "deepstack_features", None) or []]
+                    rows = feature_rows(encoded.pooler_output)
+                    deep = [feature_rows(level) for level in getattr(encoded, "deepstack_features", None) or []]
                 else:  # phase 2: this rank's group encoded, the whole batch's rows exchanged
                     rows, deep, encoded = exchanged
                     self.exchanged += 1
@@ -145,7 +153,3 @@ def check_positions(name: str, position_ids, mrope: bool, has_media: bool) -> No
 
 def _is_split(x) -> bool:
     return isinstance(x, (list, tuple))
-
-
-def _cat(level) -> torch.Tensor:
-    return torch.cat(list(level)) if _is_split(level) else level

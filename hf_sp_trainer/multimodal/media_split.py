@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from ..mixers.gather import all_gather_stack
+from .parts import PIXELS, feature_rows
 
 PER_IMAGE_BASES = frozenset({"LlavaModel", "Gemma3Model"})  # pixel_values [images, C, H, W], features fixed per image
-PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
 PER_MEDIUM = {"image": ("image_grid_thw",), "video": ("video_grid_thw", "second_per_grid_ts")}
 
 
@@ -68,9 +68,9 @@ def encode_split(encode, base, modality: str, kwargs: dict, placeholders: int, g
     """The whole batch's feature rows ``[N, hidden]``, Qwen3-VL's deepstack levels (each ``[N, hidden]``) and this
     rank's own encoder output, this rank having encoded only its group of the media; ``None`` with fewer media than
     ranks (the caller then encodes them all)."""
-    pixel_rows, feature_rows = media_layout(base, modality, kwargs, placeholders)
+    pixel_rows, counts = media_layout(base, modality, kwargs, placeholders)
     sp, rank = dist.get_world_size(group), dist.get_rank(group)
-    groups = balanced_groups(feature_rows, sp)
+    groups = balanced_groups(counts, sp)
     if groups is None:
         return None
     lo, hi = groups[rank]
@@ -84,20 +84,16 @@ def encode_split(encode, base, modality: str, kwargs: dict, placeholders: int, g
         if kwargs.get(name) is not None:
             mine[name] = kwargs[name][lo:hi]
     encoded = encode(base, modality, mine)
-    levels = [_cat(encoded.pooler_output)]
-    levels += [_cat(level) for level in getattr(encoded, "deepstack_features", None) or []]
+    levels = [feature_rows(encoded.pooler_output)]
+    levels += [feature_rows(level) for level in getattr(encoded, "deepstack_features", None) or []]
     local = torch.stack([x.reshape(-1, x.shape[-1]) for x in levels], 1)  # [rows, 1 + deepstack, hidden]
-    if local.shape[0] != sum(feature_rows[lo:hi]):
+    if local.shape[0] != sum(counts[lo:hi]):
         raise ValueError(
             f"split_media: {type(base).__name__} encoded {local.shape[0]} feature rows for its {modality}s "
-            f"{lo}..{hi - 1}, expected {sum(feature_rows[lo:hi])}; use split_media=False."
+            f"{lo}..{hi - 1}, expected {sum(counts[lo:hi])}; use split_media=False."
         )
-    width = max(sum(feature_rows[a:b]) for a, b in groups)
+    width = max(sum(counts[a:b]) for a, b in groups)
     padded = torch.nn.functional.pad(local, (0, 0, 0, 0, 0, width - local.shape[0]))
     gathered = all_gather_stack(padded, group)  # [sp, width, levels, hidden]
-    rows = torch.cat([gathered[r, : sum(feature_rows[a:b])] for r, (a, b) in enumerate(groups)])
+    rows = torch.cat([gathered[r, : sum(counts[a:b])] for r, (a, b) in enumerate(groups)])
     return rows[:, 0], [rows[:, i] for i in range(1, rows.shape[1])], encoded
-
-
-def _cat(level) -> torch.Tensor:
-    return torch.cat(list(level)) if isinstance(level, (list, tuple)) else level

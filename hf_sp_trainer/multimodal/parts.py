@@ -14,6 +14,14 @@ import inspect
 import torch
 from transformers import PreTrainedModel
 
+PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}  # each modality's pixel input of the base model
+
+
+def feature_rows(level) -> torch.Tensor:
+    """An encoder output's features as one tensor: a tuple / list per medium (Qwen-VL, LLaVA) concatenated."""
+    return torch.cat(list(level)) if isinstance(level, (list, tuple)) else level
+
+
 MEDIA = ("image", "video")  # modalities whose features are merged at placeholder tokens
 ENCODER_CONFIG_HINTS = ("vision", "audio", "image", "video", "speech", "vq")
 # The VLM base models whose SP runs are proven exact by tests/test_multimodal.py (each has cases there; a test keeps
