@@ -14,6 +14,9 @@ Llama-3.1-8B-shaped model with 2 and 4 layers at 64K-256K tokens; the 32-layer e
 e_hybrid: the hybrid layers' kernels (GDN, KDA, causal conv; FLA / causal-conv1d when installed) split the way SP
 splits a document (state summaries, conv halo) vs unsplit, and vs the CPU torch kernels; fp32, TF32, bf16
 (``_gpu_hybrid.py``).
+f_vlm: a whole VLM step (Qwen2-VL-shaped, a packed row of three documents with images) under SP at sp 1 and at sp 2
+(two processes on the one GPU over gloo; media whole and split) vs each document alone, fp32 and bf16: loss and every
+gradient, the vision tower's included; and one long multimodal row's peak memory per rank (``_gpu_vlm.py``).
 
 Each check runs in its own process (default on CUDA), killed at the global budget: a crash, hang or broken CUDA
 context is recorded and the next check still runs; one that doesn't fit the time left is skipped with a note. The
@@ -41,6 +44,7 @@ from typing import Any
 import torch
 from _gpu_attention import sink_mla_checks
 from _gpu_hybrid import hybrid_checks
+from _gpu_vlm import vlm_checks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # hf_sp_trainer from a checkout
 
@@ -50,6 +54,7 @@ MIN_SECONDS = {
     "c_offload": 20,
     "d_long_context": 60,
     "e_hybrid": 20,
+    "f_vlm": 40,
 }  # don't start with less
 TOL = {torch.float32: 2e-4, torch.bfloat16: 3e-2}  # on max_rel
 NEEDS_HALF, NO_FLASH = "needs CUDA and fp16/bf16", "flash-attn not installed"
@@ -399,7 +404,8 @@ def run_check(name: str, ctx: Ctx, lengths: list[int]) -> dict:
     start = time.time()
     checks = {"a_kernels": check_kernels, "b_fused_loss": check_fused_loss, "c_offload": check_offload,
               "d_long_context": lambda c: check_long_context(c, lengths),
-              "e_hybrid": lambda c: hybrid_checks(c.device, c.dry)}  # fmt: skip
+              "e_hybrid": lambda c: hybrid_checks(c.device, c.dry),
+              "f_vlm": lambda c: vlm_checks(c.device, c.dry)}  # fmt: skip
     try:
         rec = {"status": "ok", "result": checks[name](ctx)}
     except Exception as exc:  # noqa: BLE001 - one failing check must not stop the others

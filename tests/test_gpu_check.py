@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "gpu_check.py"
-CHECKS = ["a_kernels", "b_fused_loss", "c_offload", "d_long_context", "e_hybrid"]
+CHECKS = ["a_kernels", "b_fused_loss", "c_offload", "d_long_context", "e_hybrid", "f_vlm"]
 
 
 def _run(out: Path, *flags: str) -> dict:
@@ -75,6 +75,12 @@ def test_dry_run_report(tmp_path):
         assert "error" not in hybrid[name], (name, hybrid[name])
         assert max(hybrid[name].values()) <= 1e-5, (name, hybrid[name])
     assert {"split_out", "split_final", "split_dg", "split_dbeta"} <= hybrid["gdn_fp32"].keys()
+
+    vlm = _ok(report, "f_vlm")  # a whole VLM step: sp 1, sp 2 (media whole and split) vs each document alone
+    for name in ("exact_sp1_float32", "exact_sp2_float32", "exact_sp2_float32_split"):
+        assert vlm[name]["worst"] <= 1e-5 and vlm[name]["params"] > 50, (name, vlm[name])
+    assert vlm["exact_sp2_float32_split"]["media_split"] and not vlm["exact_sp2_float32"]["media_split"]
+    assert vlm["within_tol"] and all(vlm[f"long_row_sp{n}"]["step_s"] > 0 for n in (1, 2))
 
 
 def test_out_of_budget_checks_are_skipped(tmp_path):
