@@ -28,3 +28,5 @@ class SPKTOTrainer(PreferenceSPMixin, trl.KTOTrainer):
     over the SP group with autograd: loss, gradients, the KL estimate and the logged metrics equal the single-process
     ``KTOTrainer`` ones. With ``sp_size=1`` it is exactly ``KTOTrainer``.
     """
+
+    sp_vision_data = True  # TRL's vision KTO batches: the hooks pack them like DPO's (a VLM SP supports)

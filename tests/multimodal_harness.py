@@ -38,12 +38,19 @@ FAMILIES = {
     "qwen3_vl": "Qwen3VLForConditionalGeneration",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",  # hybrid: Gated DeltaNet + attention layers
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",  # the same hybrid, every MLP a routed MoE
     "glm4v": "Glm4vForConditionalGeneration",  # its own mrope rules: video frames apart, timestamps between
     "glm4v_moe": "Glm4vMoeForConditionalGeneration",
     "glm46v": "Glm46VForConditionalGeneration",
+    "glm_ocr": "GlmOcrForConditionalGeneration",  # GLM-4V's merge and positions: its own tower (no position table)
+    "paddleocr_vl": "PaddleOCRVLForConditionalGeneration",  # Qwen2-VL's positions: a NaViT tower, an ERNIE decoder
     "llava": "LlavaForConditionalGeneration",  # 1-D positions: a CLIP tower and a Llama decoder
+    "vipllava": "VipLlavaForConditionalGeneration",  # LLaVA with several tower layers' features, layer-normed
+    "video_llava": "VideoLlavaForConditionalGeneration",  # LLaVA, a tower each for images and videos (CLS kept)
     "internvl": "InternVLForConditionalGeneration",  # 1-D positions: tiles, pixel-shuffled, a Qwen2 decoder
+    "qianfan_ocr": "QianfanOCRForConditionalGeneration",  # InternVL with drop-path tower layers, a Qwen3 decoder
     "llava_next": "LlavaNextForConditionalGeneration",  # any-resolution tiles, unpadded, a newline feature per row
+    "llava_next_video": "LlavaNextVideoForConditionalGeneration",  # LLaVA-Next's images; videos pooled per frame
     "mistral3": "Mistral3ForConditionalGeneration",  # Pixtral: images of any size, padded; [IMG_BREAK] per row
     "lfm2_vl": "Lfm2VlForConditionalGeneration",  # SigLIP2 NaFlex patches + an LFM2 decoder (short convs: mixers/)
     "gemma3": "Gemma3ForConditionalGeneration",  # image tokens see their whole image (sliding layers too): Ulysses
@@ -59,8 +66,12 @@ FAMILIES = {
 PIXTRAL = ("mistral3", "lighton_ocr")  # images of any size, [IMG_BREAK] rows
 SHUFFLED = ("aya_vision", "cohere2_vision")  # 16 x 16 pixels, 2 x 2 patches, pixel-shuffled by 2: 16 placeholders
 IDEFICS = ("idefics3", "smolvlm", "idefics2")  # the same tower shape, images per example in a batch dim of their own
-TILED = ("llava_next", "llava_onevision")  # any-resolution tiles, a newline feature per row
-ONE_D = ("llava", "internvl", *TILED, "lfm2_vl", "gemma3", "got_ocr2", *PIXTRAL, *SHUFFLED, *IDEFICS)  # 1-D
+TILED = ("llava_next", "llava_onevision", "llava_next_video")  # any-resolution tiles, a newline feature per row
+LLAVA_LIKE = ("llava", "vipllava", "video_llava")  # one 8 x 8 image: 16 placeholders (the CLS feature dropped)
+GLM = ("glm4v", "glm4v_moe", "glm46v", "glm_ocr")  # video frames at the image token, timestamps between frames
+VIDEO_FRAMES = ("video_llava", "llava_next_video")  # videos of 8 x 8 frames, [videos, frames, 3, 8, 8]
+INTERNVL = ("internvl", "qianfan_ocr")  # 16 x 16 tiles, pixel-shuffled: 16 placeholders a tile
+ONE_D = (*LLAVA_LIKE, *INTERNVL, *TILED, "lfm2_vl", "gemma3", "got_ocr2", *PIXTRAL, *SHUFFLED, *IDEFICS)  # 1-D
 GEMMA3_IMAGE = 16  # a SigLIP tower on 16 x 16 pixels, 2 x 2 patches, average-pooled to 4 x 4 = 16 placeholders
 IMG_BREAK, IMG_END = 124, 125  # Mistral3's row-break and end tokens (text tokens, no features)
 LLAVA_IMAGE, LLAVA_PATCH = tiny_vlm.IMAGE_SIZE, tiny_vlm.PATCH  # the package's tiny LLaVA: 16 placeholders an image
@@ -69,8 +80,9 @@ LLAVA_IMAGE, LLAVA_PATCH = tiny_vlm.IMAGE_SIZE, tiny_vlm.PATCH  # the package's 
 INTERNVL_TILE = 16  # 64 patches of 2 x 2, pixel-shuffled by 0.5: 16 placeholders per tile
 
 
-def internvl_config():
-    from transformers import InternVLConfig
+def internvl_config(family: str = "internvl"):
+    """InternVL (a Qwen2 decoder) or Qianfan-OCR (the same model, drop path in the tower, a Qwen3 decoder)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     vision = dict(
         hidden_size=32,
@@ -81,7 +93,9 @@ def internvl_config():
         patch_size=[2, 2],
     )
     text = dict(tiny_vlm.TINY_TEXT, model_type="qwen2")
-    return InternVLConfig(vision_config=vision, text_config=text, image_token_id=IMG, image_seq_length=16)
+    if family == "qianfan_ocr":
+        text |= {"model_type": "qwen3", "head_dim": 16}
+    return CONFIG_MAPPING[family](vision_config=vision, text_config=text, image_token_id=IMG, image_seq_length=16)
 
 
 def gemma3_config():
@@ -153,7 +167,49 @@ def got_ocr2_config():
 def placeholders_per_image(family: str) -> int:
     if family in ("gemma3", "got_ocr2", *SHUFFLED, *IDEFICS):
         return 16
-    return (LLAVA_IMAGE // LLAVA_PATCH) ** 2 if family == "llava" else (INTERNVL_TILE // 2) ** 2 // 4
+    return (LLAVA_IMAGE // LLAVA_PATCH) ** 2 if family in LLAVA_LIKE else (INTERNVL_TILE // 2) ** 2 // 4
+
+
+def placeholders_per_frame(family: str) -> int:
+    """Video-LLaVA: every patch and the CLS feature; LLaVA-Next-Video: the patches average-pooled by 2."""
+    patches = (LLAVA_IMAGE // LLAVA_PATCH) ** 2
+    return patches + 1 if family == "video_llava" else patches // 4
+
+
+def llava_like_config(family: str):
+    """The package's tiny LLaVA as VipLLaVA (two tower layers' features) or Video-LLaVA (its own video tower)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    base = tiny_llava_config()
+    parts = dict(vision_config=base.vision_config.to_dict(), text_config=base.text_config.to_dict())
+    if family == "vipllava":
+        return CONFIG_MAPPING[family](**parts, image_token_index=IMG, vision_feature_layer=[-2, -1])
+    return CONFIG_MAPPING[family](**parts, image_token_index=IMG, video_token_index=VID, vision_feature_layer=-1)
+
+
+def llava_next_video_config():
+    from transformers import LlavaNextVideoConfig
+
+    base = tiny_llava_config()
+    return LlavaNextVideoConfig(
+        vision_config=base.vision_config.to_dict(), text_config=base.text_config.to_dict(), image_token_index=IMG,
+        video_token_index=VID, image_grid_pinpoints=PINPOINTS, vision_feature_layer=-1,
+    )  # fmt: skip
+
+
+def paddleocr_vl_config():
+    """PaddleOCR-VL: a NaViT tower (2 x 2 patches, a 4 x 4 position table resampled per image), its projector
+    merging 2 x 2 patches, an ERNIE-4.5 decoder with Qwen2-VL's multimodal rope."""
+    from transformers import PaddleOCRVLConfig
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=8,
+                  patch_size=PATCH, spatial_merge_size=MERGE)  # fmt: skip
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = dict(tiny_vlm.TINY_TEXT, head_dim=16, rope_parameters=rope)
+    return PaddleOCRVLConfig(
+        vision_config=vision, text_config=text, image_token_id=IMG, video_token_id=VID, vision_start_token_id=VSTART,
+        vision_end_token_id=VEND,
+    )  # fmt: skip
 
 
 PINPOINTS = [[8, 16], [16, 8], [16, 16]]  # LLaVA-Next: a base 8x8 view plus these tilings of 8x8 tiles
@@ -253,7 +309,7 @@ def qwen_vl_config(family: str = "qwen2_vl", layers: int = 2):
     )
     if family == "qwen2_vl":
         vision |= {"embed_dim": 32}
-    elif family.startswith("glm4"):  # GLM-4.1V, GLM-4.5V (MoE), GLM-4.6V
+    elif family in GLM:  # GLM-4.1V, GLM-4.5V (MoE), GLM-4.6V, GLM-OCR
         text |= {"head_dim": 16}
         if family == "glm4v_moe":
             text |= {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
@@ -265,12 +321,15 @@ def qwen_vl_config(family: str = "qwen2_vl", layers: int = 2):
         return CONFIG_MAPPING[family](
             text_config=text, vision_config=vision, image_token_id=IMG, video_token_id=VID, **starts
         )
-    elif family == "qwen3_5":
+    elif family.startswith("qwen3_5"):  # Qwen3.5 (MoE: every layer's MLP routed, a shared expert beside)
         text |= {"head_dim": 16, "layer_types": ["linear_attention", "full_attention"]}
         text |= {"linear_num_key_heads": 2, "linear_num_value_heads": 4}
         text |= {"linear_key_head_dim": 16, "linear_value_head_dim": 16}
         text["rope_parameters"] |= {"mrope_interleaved": True, "partial_rotary_factor": 1.0}
         vision |= {"intermediate_size": 64, "out_hidden_size": 64, "num_position_embeddings": 16}
+        if family == "qwen3_5_moe":
+            text |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+            text |= {"shared_expert_intermediate_size": 32}
     elif family.startswith("qwen3"):  # deepstack: features of both vision blocks added after text layers 0 and 1
         text |= {"head_dim": 16}
         text["rope_parameters"] |= {"mrope_interleaved": True}
@@ -300,6 +359,9 @@ def build_vlm(family: str = "qwen2_vl", seed: int = 0):
     configs |= {"mistral3": mistral3_config, "lfm2_vl": lfm2_vl_config, "gemma3": gemma3_config}
     configs |= {f: functools.partial(shuffled_config, f) for f in SHUFFLED} | {"lighton_ocr": lighton_ocr_config}
     configs |= {f: functools.partial(idefics_config, f) for f in IDEFICS} | {"got_ocr2": got_ocr2_config}
+    configs |= {f: functools.partial(llava_like_config, f) for f in LLAVA_LIKE[1:]}
+    configs |= {"llava_next_video": llava_next_video_config, "paddleocr_vl": paddleocr_vl_config}
+    configs["qianfan_ocr"] = functools.partial(internvl_config, "qianfan_ocr")
     config = configs[family]() if family in configs else qwen_vl_config(family)
     cls = FAMILIES[family]
     torch.manual_seed(seed)
@@ -318,7 +380,7 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
     ``<t> <vision_start> ... <vision_end>`` run, GLM-4V's at the image token; LLaVA: a whole image per medium)."""
     from hf_sp_trainer.collators.multimodal import MODALITY_TYPE
 
-    frames_apart = family.startswith(("qwen3", "glm4"))
+    frames_apart = family.startswith("qwen3") or family in GLM
     g = torch.Generator().manual_seed(seed)
     out = []
     for doc in docs:
@@ -331,6 +393,12 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
             types += [0] * (len(ids) - len(types))
             if i < len(doc.media):
                 modality, (t, h, w) = doc.media[i]
+                if family in VIDEO_FRAMES and modality == "video":  # t frames of 8 x 8 pixels (h, w unused)
+                    count = t * placeholders_per_frame(family)
+                    ids += [VSTART] + [VID] * count + [VEND]
+                    types += [MODALITY_TYPE["video"] if x == VID else 0 for x in ids[len(types) :]]
+                    pixels["video"].append(torch.randn(1, t, 3, LLAVA_IMAGE, LLAVA_IMAGE, generator=g))
+                    continue
                 if family in TILED:  # an image of 4h x 4w pixels: its tiles, as many placeholders as features
                     image, count = llava_next_image((4 * h, 4 * w), g, family, len(doc.media))
                     ids += [IMG] * count
@@ -353,22 +421,26 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
                     grids["image"].append(torch.tensor([[4 * h, 4 * w]]))
                     continue
                 if family in ONE_D:  # a whole image (LLaVA) or tile (InternVL, Gemma3: in <img> ... </img>)
-                    size = {"llava": LLAVA_IMAGE, "gemma3": GEMMA3_IMAGE}.get(
-                        family, 16 if family in SHUFFLED else INTERNVL_TILE
-                    )
+                    sizes = {"gemma3": GEMMA3_IMAGE} | dict.fromkeys(LLAVA_LIKE, LLAVA_IMAGE)
+                    size = sizes.get(family, 16 if family in SHUFFLED else INTERNVL_TILE)
                     run = [IMG] * placeholders_per_image(family)
                     ids += run if family == "llava" else [VSTART, *run, VEND]
                     types += [MODALITY_TYPE["image"] if x == IMG else 0 for x in ids[len(types) :]]
                     pixels["image"].append(torch.randn(1, 3, size, size, generator=g))
                     continue
-                glm = family.startswith("glm4")  # GLM-4V: video frames at the image token
+                if family == "paddleocr_vl":  # images only: a layout's video becomes an image of one frame
+                    modality, t = "image", 1
+                glm = family in GLM  # GLM-4V: video frames at the image token
                 token = IMG if modality == "image" or glm else VID
                 runs = t if frames_apart and modality == "video" else 1
                 for _ in range(runs):
                     stamp = [int(torch.randint(3, IMG, (1,), generator=g))] if runs > 1 else []
                     ids += stamp + [VSTART] + [token] * (t // runs * h * w // MERGE**2) + [VEND]
                 types += [MODALITY_TYPE[modality] if x == token else 0 for x in ids[len(types) :]]
-                pixels[modality].append(torch.randn(t * h * w, PATCH_DIM, generator=g))
+                if family == "paddleocr_vl":  # patches of [3, 2, 2] pixels
+                    pixels[modality].append(torch.randn(t * h * w, 3, PATCH, PATCH, generator=g))
+                else:
+                    pixels[modality].append(torch.randn(t * h * w, PATCH_DIM, generator=g))
                 grids[modality].append(torch.tensor([[t, h, w]]))
         example = {"input_ids": torch.tensor(ids), "mm_token_type_ids": torch.tensor(types)}
         if family == "gemma3":  # its processor's token_type_ids: 1 at the image tokens (they drive its image mask)
@@ -399,7 +471,9 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
                 )
         elif pixels["image"]:
             example |= {"pixel_values": torch.cat(pixels["image"]), "image_grid_thw": torch.cat(grids["image"])}
-        if pixels["video"]:
+        if pixels["video"] and family in VIDEO_FRAMES:
+            example["pixel_values_videos"] = torch.cat(pixels["video"])
+        elif pixels["video"]:
             example |= {"pixel_values_videos": torch.cat(pixels["video"]), "video_grid_thw": torch.cat(grids["video"])}
         out.append(example)
     return out
@@ -608,11 +682,12 @@ def train_vlm(
     ga: int = 2,
     lora: bool = False,
     split: bool = False,
+    router_loss: bool = False,
 ) -> dict:
     """Train ``steps`` SGD steps (4 documents per micro-batch and data-parallel rank, ``ga`` micro-batches a step):
     plain ``Trainer`` with ``pad_rows`` (``sp_size=1``: one process, or DDP where spawned), else ``SPTrainer`` with its
     default (multimodal packing) collator. ``lora``: LoRA on the decoder's q/v projections, the tower frozen;
-    ``split``: ``sp_split_media`` (phase 2)."""
+    ``split``: ``sp_split_media`` (phase 2); ``router_loss``: an MoE decoder's load-balancing loss in the loss."""
     import torch.distributed as dist
     import transformers
 
@@ -620,6 +695,9 @@ def train_vlm(
     from tests.harness import full_parameters, logged_steps, quiet_args
 
     model = build_vlm(family)
+    if router_loss:  # an MoE decoder's load-balancing loss added to the loss (transformers' own formula)
+        model.config.text_config.output_router_logits = True
+        model.config.text_config.router_aux_loss_coef = 0.5
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -642,13 +720,15 @@ def train_vlm(
     else:
         args = TrainingArguments(**common, sp_size=sp_size, sp_ring_size=ring, sp_split_media=split)
         trainer = SPTrainer(model=model, args=args, train_dataset=examples)
+    aux = []  # the router loss each forward returned (None: not computed)
+    model.register_forward_hook(lambda m, a, output: aux.append(getattr(output, "aux_loss", None)))
     trainer.train()
     logs = logged_steps(trainer)
     params = full_parameters(model)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     exchanged = trainer.sp.media.exchanged if sp_size > 1 else 0  # the last forward's media kinds split (phase 2)
     out = {"losses": [x for x, _ in logs], "grad_norms": [g for _, g in logs], "exchanged": exchanged}
-    return out | {"params": params if rank0 else None}
+    return out | {"params": params if rank0 else None, "router_loss": all(a is not None for a in aux)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -751,17 +831,46 @@ def vision_preferences(n: int = 8, seed: int = 1) -> list[dict]:
     return rows
 
 
-def dpo_vlm(sp_size: int, out_dir: str, steps: int = 3) -> dict:
-    """Three SGD steps of TRL DPO on vision preference rows (LLaVA, a reference model given): ``trl.DPOTrainer``
-    (``sp_size=1``) or ``SPDPOTrainer``; the logged metrics, eval metrics and the policy's weights."""
+def tiny_qwen_vl_processor():
+    """A Qwen2-VL processor built offline: the character tokenizer with Qwen's vision tokens, Qwen's PIL image
+    processor (2 x 2 patches, merged 2 x 2: an 8 x 8 image is 4 placeholders) and the vision chat template. Its
+    images-only subclass skips the video processor (torchvision, which the CPU test install lacks)."""
+    from transformers import Qwen2VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.processing_utils import ProcessorMixin
+
+    from hf_sp_trainer.data.tokenizer import build_char_tokenizer
+
+    class ImagesOnlyQwen2VLProcessor(Qwen2VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+            self.image_token_id, self.video_token_id = IMG, VID
+            ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+
+    names = {"<|image_pad|>": IMG, "<|video_pad|>": VID, "<|vision_start|>": VSTART, "<|vision_end|>": VEND}
+    tokenizer = build_char_tokenizer(names)
+    tokenizer.chat_template = None  # the processor's template
+    images = Qwen2VLImageProcessorPil(patch_size=PATCH, temporal_patch_size=TEMPORAL, merge_size=MERGE,
+                                      min_pixels=16, max_pixels=1024)  # fmt: skip
+    template = tiny_vlm.VISION_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
+    return ImagesOnlyQwen2VLProcessor(image_processor=images, tokenizer=tokenizer, chat_template=template)
+
+
+def dpo_vlm(sp_size: int, out_dir: str, steps: int = 3, family: str = "llava", kind: str = "dpo") -> dict:
+    """Three SGD steps of TRL DPO (``kind="kto"``: KTO, each pair split into a desirable and an undesirable example)
+    on vision preference rows (a reference model given): ``trl.DPOTrainer`` / ``trl.KTOTrainer`` (``sp_size=1``) or
+    ``SPDPOTrainer`` / ``SPKTOTrainer``; the logged metrics, eval metrics and the policy's weights. ``family``: LLaVA
+    with its processor, or a multimodal-rope VLM (Qwen2-VL, Qwen3-VL, GLM-4V) with the tiny Qwen2-VL processor,
+    whose output (patch rows, grids, ``mm_token_type_ids``, vision start / end tokens) the others' tiny configs
+    take as well (their own processors need torchvision)."""
     import torch.distributed as dist
     import trl
     from datasets import Dataset
 
-    from hf_sp_trainer import DPOConfig, SPDPOTrainer
+    import hf_sp_trainer
     from tests.harness import full_parameters, quiet_args
 
-    model, ref = build_vlm("llava"), build_vlm("llava", seed=1)  # a reference other than the policy
+    model, ref = build_vlm(family), build_vlm(family, seed=1)  # a reference other than the policy
     common = dict(
         quiet_args(out_dir, steps),
         per_device_train_batch_size=2,
@@ -774,18 +883,26 @@ def dpo_vlm(sp_size: int, out_dir: str, steps: int = 3) -> dict:
         bf16=False,  # TRL defaults to bf16; the equivalence is checked in fp32
         dataset_num_proc=None,
     )
+    config, trainer = {"dpo": ("DPOConfig", "DPOTrainer"), "kto": ("KTOConfig", "KTOTrainer")}[kind]
     if sp_size == 1:
-        trainer_cls, args = trl.DPOTrainer, trl.DPOConfig(**common)
+        trainer_cls, args = getattr(trl, trainer), getattr(trl, config)(**common)
     else:
-        trainer_cls, args = SPDPOTrainer, DPOConfig(**common, sp_size=sp_size, ddp_backend="gloo")
+        sp_args = dict(common, sp_size=sp_size, ddp_backend="gloo")
+        trainer_cls, args = getattr(hf_sp_trainer, f"SP{trainer}"), getattr(hf_sp_trainer, config)(**sp_args)
     rows = vision_preferences(4 * steps + 4)
+    if kind == "kto":  # the chosen answer desirable, the rejected one undesirable: mixed within each batch
+        split = [(r["chosen"], True) if i % 2 else (r["rejected"], False) for i, r in enumerate(rows)]
+        rows = [
+            {"images": r["images"], "prompt": r["prompt"], "completion": c, "label": label}
+            for r, (c, label) in zip(rows, split, strict=True)
+        ]
     trainer = trainer_cls(
         model=model,
         ref_model=ref,
         args=args,
         train_dataset=Dataset.from_list(rows[: 4 * steps]),
         eval_dataset=Dataset.from_list(rows[4 * steps :]),
-        processing_class=tiny_llava_processor(),
+        processing_class=tiny_llava_processor() if family == "llava" else tiny_qwen_vl_processor(),
     )
     trainer.train()
     evals = {

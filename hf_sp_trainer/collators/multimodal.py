@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..multimodal.parts import PIXELS, shared_placeholder, token_ids, vlm_base
+from ..multimodal.parts import PIXELS, rope_index, shared_placeholder, token_ids, vlm_base
 from ..sharding import IGNORE_INDEX, MEDIA_KEYS
 
 TOKEN_KEYS = ("input_ids", "labels", "mm_token_type_ids")
@@ -33,8 +33,8 @@ class SPMultimodalCollator:
         if base is None:
             raise ValueError(f"SPMultimodalCollator needs a vision-language model; got {type(model).__name__}.")
         self.token_ids = token_ids(model)
+        self._base = base
         self._rope_index = getattr(base, "get_rope_index", None)
-        self._rope_params = set(inspect.signature(self._rope_index).parameters) if self._rope_index else set()
         vision = getattr(model.config, "vision_config", None)
         self._merge = getattr(vision, "spatial_merge_size", None)
         forward = inspect.signature(type(base).forward).parameters
@@ -103,14 +103,8 @@ class SPMultimodalCollator:
         has_media = bool(doc["mm_token_type_ids"].any())
         if not has_media:
             return text.expand(4, 1, n).clone()  # text only: every row counts 0, 1, ...
-        kwargs = {
-            "mm_token_type_ids": doc["mm_token_type_ids"][None],
-            **{k: doc[k] for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if k in doc},
-        }
-        kwargs = {k: v for k, v in kwargs.items() if k in self._rope_params}
-        with torch.no_grad():
-            rope, _ = self._rope_index(doc["input_ids"][None], **kwargs)  # [3, 1, n]
-        return torch.cat([text, rope.to(torch.long)])
+        inputs = doc | {"mm_token_type_ids": doc["mm_token_type_ids"][None]}
+        return torch.cat([text, rope_index(self._base, doc["input_ids"][None], inputs)])  # [4, 1, n]
 
 
 def _check_image_counts(docs: list[dict[str, Any]]) -> None:

@@ -112,7 +112,7 @@ class MediaFeatures:
             index = rank[:, positions][local[i].bool()].to(rows.device)  # this rank's placeholders, in local order
             mine = rows.index_select(0, index)
             fields = {k: v for k, v in encoded.items() if k not in _PATCH_STATES}
-            fields["pooler_output"] = (mine,) if split else mine
+            fields["pooler_output"] = (mine,) if split else _like(encoded.pooler_output, mine)
             if deep:  # Qwen3-VL: the same rows of every deepstack level
                 fields["deepstack_features"] = [(level.index_select(0, index),) for level in deep]
             outputs[modality] = type(encoded)(**fields)  # a new output: the old one's dict still holds every state
@@ -153,3 +153,10 @@ def check_positions(name: str, position_ids, mrope: bool, has_media: bool) -> No
 
 def _is_split(x) -> bool:
     return isinstance(x, (list, tuple))
+
+
+def _like(pooled: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+    """This rank's rows shaped as the encoder's tensor: ``[media, tokens, dim]`` becomes ``[1, rows, dim]`` (one
+    medium holding them), as merges iterate over media (LLaVA-Next-Video's videos) or index ``shape[1]``
+    (Video-LLaVA's placeholder check); flat ``[rows, dim]`` stays flat. Every merge scatters by element count."""
+    return mine[None] if pooled.dim() == 3 else mine

@@ -31,11 +31,13 @@ ENCODER_CONFIG_HINTS = ("vision", "audio", "image", "video", "speech", "vq")
 IMAGE_BLOCK_MODELS = frozenset({"Gemma3Model"})
 VERIFIED = frozenset(
     {
-        *("Qwen2VLModel", "Qwen2_5_VLModel", "Qwen3VLModel", "Qwen3VLMoeModel", "Qwen3_5Model"),
-        *("Glm4vModel", "Glm4vMoeModel", "Glm46VModel"),  # video frames at the image token: no images + videos batch
+        *("Qwen2VLModel", "Qwen2_5_VLModel", "Qwen3VLModel", "Qwen3VLMoeModel", "Qwen3_5Model", "Qwen3_5MoeModel"),
+        *("Glm4vModel", "Glm4vMoeModel", "Glm46VModel", "GlmOcrModel"),  # video frames at the image token
+        "PaddleOCRVLModel",  # Qwen2-VL's positions, images only
         *("LlavaModel", "LlavaNextModel", "Mistral3Model", "InternVLModel", "Lfm2VlModel"),  # 1-D positions
         *("AyaVisionModel", "Cohere2VisionModel", "LightOnOcrModel", "Idefics3Model", "SmolVLMModel"),
         *("Idefics2Model", "GotOcr2Model", "LlavaOnevisionModel"),
+        *("VipLlavaModel", "VideoLlavaModel", "LlavaNextVideoModel", "QianfanOCRModel"),
         *IMAGE_BLOCK_MODELS,
     }
 )
@@ -116,6 +118,25 @@ def uses_mrope(model: PreTrainedModel) -> bool:
     """Multimodal rotary positions (Qwen-VL, GLM-4V): ``[4, b, s]`` position ids (a text row, then t / h / w)."""
     base = vlm_base(model)
     return base is not None and hasattr(base, "get_rope_index")
+
+
+ROPE_INPUTS = ("mm_token_type_ids", "image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+
+
+def rope_index(
+    base: torch.nn.Module, input_ids: torch.Tensor, inputs: dict, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The model's own multimodal rotary positions ``[3, rows, seq]`` (its ``get_rope_index``, called as its forward
+    calls it) for ``input_ids`` with the media grids / token types in ``inputs``; with ``attention_mask``, each
+    right-padded row counted on its own real tokens."""
+    fn = base.get_rope_index
+    params = inspect.signature(fn).parameters
+    kwargs = {k: inputs[k] for k in ROPE_INPUTS if k in params and inputs.get(k) is not None}
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    with torch.no_grad():
+        positions, _ = fn(input_ids, **kwargs)
+    return positions.to(torch.long)
 
 
 def check_multimodal(model: PreTrainedModel, sp_size: int) -> None:

@@ -20,8 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..multimodal.parts import rope_index, uses_mrope, vlm_base
 from ..parallel import SequenceParallel
 from ..router_loss import RouterLoss
+from ..sharding import MEDIA_KEYS
 from .layout import PackedShard, last_token_slots, pack_and_shard, real_token_mask, scatter_to_grid, token_slots
 from .reduce import sequence_all_reduce
 
@@ -38,7 +40,9 @@ def _split_kwargs(model: nn.Module, args: tuple, kwargs: dict[str, Any], router_
         raise ValueError(f"Under sequence parallelism, call {type(model).__name__} with keyword arguments only.")
     seq = kwargs["input_ids"].shape[1]
     others = {k: v for k, v in kwargs.items() if k not in (*_PASSED_THROUGH, *TOKEN_TYPE_KEYS)}
-    per_token = [k for k, v in others.items() if torch.is_tensor(v) and v.ndim >= 2 and v.shape[1] == seq]
+    per_token = [
+        k for k, v in others.items() if torch.is_tensor(v) and v.ndim >= 2 and v.shape[1] == seq and k not in MEDIA_KEYS
+    ]
     if per_token or (others.get("output_router_logits") and not router_logits):
         raise ValueError(
             f"Sequence parallelism does not shard {per_token or ['output_router_logits']} in preference training "
@@ -58,6 +62,7 @@ class _Hooks:
         self.router_loss: RouterLoss | None = None  # the policy's (set by the trainer): its aux loss is returned
 
     def attach(self, model: nn.Module) -> None:
+        self.rope_base = vlm_base(model) if uses_mrope(model) else None  # Qwen-VL / GLM-4V: positions per row
         self.handles += [
             model.register_forward_pre_hook(self.before, with_kwargs=True),
             model.register_forward_hook(self.after, with_kwargs=True),
@@ -81,7 +86,20 @@ class _Hooks:
             self.pad_token_id,
             column_positions=self.column_positions,
             token_types={k: kwargs[k] for k in TOKEN_TYPE_KEYS if kwargs.get(k) is not None},
+            rope_positions=self.rope_positions(kwargs),
         )
+
+    def rope_positions(self, kwargs) -> torch.Tensor | None:
+        """A multimodal-rope VLM's positions of the padded rows, as its own forward computes them there (only when
+        the batch has media grids; else it counts each row 0, 1, ... like the text row)."""
+        if self.rope_base is None or all(kwargs.get(k) is None for k in ("image_grid_thw", "video_grid_thw")):
+            return None
+        if kwargs.get("mm_token_type_ids") is None:
+            raise ValueError(
+                f"{type(self.rope_base).__name__} got media grids without mm_token_type_ids: its multimodal rotary "
+                "positions need them. Use a processor that returns them (transformers' Qwen-VL / GLM-4V processors)."
+            )
+        return rope_index(self.rope_base, kwargs["input_ids"], kwargs, kwargs.get("attention_mask"))
 
     def reduce(self, local: torch.Tensor, packed: PackedShard) -> torch.Tensor:
         full = scatter_to_grid(local, packed.slots, packed.grid)

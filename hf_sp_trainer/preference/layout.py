@@ -58,6 +58,7 @@ def pack_and_shard(
     pad_token_id: int = 0,
     column_positions: bool = False,
     token_types: dict[str, torch.Tensor] | None = None,
+    rope_positions: torch.Tensor | None = None,
 ) -> PackedShard:
     """Pack the real tokens of a right-padded ``[rows, seq]`` batch into one row and return ``sp_rank``'s shard.
 
@@ -66,13 +67,18 @@ def pack_and_shard(
     ``column_positions``: each token keeps its column index as position (what transformers uses when a padded batch
     is given without ``position_ids``; GRPO/RLOO's left-padded prompts), and any mask is accepted.
     ``token_types``: ``[rows, seq]`` tensors packed like ``input_ids`` (a VLM's ``token_type_ids``).
+    ``rope_positions``: a multimodal-rope VLM's ``[3, rows, seq]`` positions of the padded rows (``rope_index``),
+    packed behind the text row into ``[4, 1, tokens]`` ``position_ids`` (the text row keeps the sequences apart).
     """
     mask = real_token_mask(input_ids, attention_mask, right_padded=not column_positions)
     if column_positions:
         positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     else:
         positions = mask.long().cumsum(dim=1) - 1
-    batch = {"input_ids": input_ids[mask].unsqueeze(0), "position_ids": positions[mask].unsqueeze(0)}
+    packed_positions = positions[mask].unsqueeze(0)
+    if rope_positions is not None:
+        packed_positions = torch.cat([packed_positions[None], rope_positions[:, mask].unsqueeze(1)])
+    batch = {"input_ids": input_ids[mask].unsqueeze(0), "position_ids": packed_positions}
     batch |= {key: value[mask].unsqueeze(0) for key, value in (token_types or {}).items()}
     if labels is not None:
         batch["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)[mask].unsqueeze(0)

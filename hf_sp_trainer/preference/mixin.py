@@ -12,7 +12,7 @@ from typing import Any
 
 from ..attention import validate_model_for_sp
 from ..multimodal.features import MediaFeatures
-from ..multimodal.parts import is_multimodal, uses_mrope
+from ..multimodal.parts import is_multimodal
 from ..trainer import SequenceParallelMixin, unwrap_model
 from .hooks import LogProbHooks
 
@@ -40,7 +40,9 @@ class PreferenceSPMixin(SequenceParallelMixin):
     sp_fuses_lm_loss = True  # TRL's fused LM head (or a classification head): fused_loss has nothing to do
     sp_shards_batch = False  # the model hooks shard inside each forward
     sp_hooks_cls: type = LogProbHooks
-    sp_vision_data = False  # TRL's vision preference batches (DPO): tested exact for VLMs with 1-D positions
+    sp_vision_data = (
+        False  # TRL's vision batches (DPO, KTO): exact for the VLMs SP supports (tests/test_multimodal_dpo)
+    )
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -62,14 +64,8 @@ class PreferenceSPMixin(SequenceParallelMixin):
         refuse(
             {"vision datasets": vision and not (self.sp_vision_data and is_multimodal(model))},
             f"{type(self).__name__} with {type(model).__name__} shards text tokens only"
-            + ("" if self.sp_vision_data else " (vision data: SPDPOTrainer)"),
+            + ("" if self.sp_vision_data else " (vision data: SPDPOTrainer, SPKTOTrainer)"),
             "Use a text-only dataset, or sp_size=1.",
-        )
-        refuse(
-            {"vision datasets with multimodal rotary positions": vision and uses_mrope(model)},
-            f"{type(model).__name__}'s 3-D rotary positions would have to be computed per sequence before packing, "
-            "which the preference trainers don't do yet",
-            "Use a VLM with 1-D positions (LLaVA-style; proven exact on LLaVA), or sp_size=1.",
         )
 
     def _sp_attach_hooks(self) -> None:
