@@ -6,11 +6,15 @@ document of ``--lengths`` tokens, ``--image-share`` of them image placeholders (
 patches per placeholder after the 2x2 merge). Phase 1 of the VLM design: every rank encodes every image of the row,
 so the vision tower's activations do not shrink with sp, the decoder's do; ``--media split`` (phase 2,
 ``sp_split_media``) splits the images over the ranks instead. ``--tower frozen`` trains the decoder only (the tower
-runs under ``no_grad``), ``trained`` trains both. CPU peak = VmHWM of the measured step (glibc told to return freed
-memory). Writes ``vlm_memory.csv/json/png`` to ``--out``.
+runs under ``no_grad``), ``trained`` trains both. ``--medium video``: the placeholders are one long video instead
+(``--grid`` patches per frame side), which phase 2 splits over the ranks by frame. CPU peak = VmHWM of the measured
+step (glibc told to return freed memory). Writes ``vlm_memory.csv/json/png`` (videos: ``vlm_video_memory.*``) to
+``--out``.
 
     python scripts/bench_vlm_memory.py --sp 1 2 4 --lengths 4096 16384 --tower trained frozen --media whole split \
         --out docs/benchmarks/vlm
+    python scripts/bench_vlm_memory.py --medium video --sp 1 2 4 --lengths 16384 --tower trained frozen \
+        --media whole split --out docs/benchmarks/vlm
     python scripts/bench_vlm_memory.py --smoke            # tests/test_scripts.py
 """
 
@@ -46,8 +50,19 @@ def vlm_config(layers: int = 4):
                          vision_start_token_id=VSTART, vision_end_token_id=VEND)  # fmt: skip
 
 
-def long_row(length: int, image_share: float, grid: int, generator: torch.Generator) -> dict:
-    """One document of ``length`` tokens: text runs and ``<vision_start> <image>*n <vision_end>`` images."""
+def long_row(length: int, image_share: float, grid: int, generator: torch.Generator, video: bool = False) -> dict:
+    """One document of ``length`` tokens: text runs and ``<vision_start> <image>*n <vision_end>`` images, or
+    (``video``) text around one ``<vision_start> <video>*n <vision_end>`` video of as many frames as fit."""
+    if video:
+        frames = max(1, int(length * image_share) // (grid * grid // MERGE**2))
+        count = frames * grid * grid // MERGE**2
+        before = (length - count - 2) // 2
+        ids = torch.randint(3, IMG, (before,), generator=generator).tolist() + [VSTART] + [VID] * count + [VEND]
+        ids += torch.randint(3, IMG, (length - len(ids),), generator=generator).tolist()
+        row = {"input_ids": torch.tensor(ids), "labels": torch.tensor(ids)}
+        row["pixel_values_videos"] = torch.randn(frames * grid * grid, PATCH_DIM, generator=generator)
+        row["video_grid_thw"] = torch.tensor([[frames, grid, grid]])
+        return row
     per_image = grid * grid // MERGE**2
     images = int(length * image_share) // (per_image + 2)
     text = length - images * (per_image + 2)
@@ -86,10 +101,11 @@ def measure(opts, sp: int, tower: str, length: int, media: str, out_dir: str) ->
         sp_throughput_logging=False, sp_split_media=media == "split",
     )  # fmt: skip
     generator = torch.Generator().manual_seed(length)
-    rows = [long_row(min(512, length), opts.image_share, opts.grid, generator)]
-    rows.append(long_row(length, opts.image_share, opts.grid, generator))
-    images = len(rows[1].get("image_grid_thw", []))
-    image_tokens = int((rows[1]["input_ids"] == IMG).sum())
+    video = opts.medium == "video"
+    rows = [long_row(min(512, length), opts.image_share, opts.grid, generator, video)]
+    rows.append(long_row(length, opts.image_share, opts.grid, generator, video))
+    images = int(rows[1]["video_grid_thw"][0, 0]) if video else len(rows[1].get("image_grid_thw", []))
+    image_tokens = int((rows[1]["input_ids"] == (VID if video else IMG)).sum())
     record = {"sp": sp, "tower": tower, "media": media, "length": length, "images": images}
     record["image_tokens"] = image_tokens
     trainer = Trainer(
@@ -136,7 +152,8 @@ def run(opts, sp: int, jobs: list[tuple[str, int]]) -> list[dict]:
         rows = json.load(f)
     for r in rows:
         what = f"sp={r['sp']} tower {r['tower']:>7} {r['media']:>5} len {r['length']:>6}"
-        print(f"{what} ({r['images']} images, {r['image_tokens']} image tokens): peak {r['peak_mb']:7.0f} MB/rank  "
+        kind = "frames" if opts.medium == "video" else "images"
+        print(f"{what} ({r['images']} {kind}, {r['image_tokens']} media tokens): peak {r['peak_mb']:7.0f} MB/rank  "
               f"step {r['step_s']:6.2f} s", flush=True)  # fmt: skip
     return rows
 
@@ -147,8 +164,9 @@ def save(opts, rows: list[dict]) -> None:
         ref = base.get((r["tower"], r["length"]))
         r["peak_vs_sp1"] = round(r["peak_mb"] / ref, 3) if ref else None
     meta = {"date": time.strftime("%Y-%m-%d"), "threads": os.cpu_count(), "image_share": opts.image_share,
-            "grid": opts.grid, "layers": opts.layers}  # fmt: skip
-    write_table(opts.out, "vlm_memory", rows, meta)
+            "grid": opts.grid, "layers": opts.layers, "medium": opts.medium}  # fmt: skip
+    name = "vlm_video_memory" if opts.medium == "video" else "vlm_memory"
+    write_table(opts.out, name, rows, meta)
     plt = pyplot()
     if plt is None:
         return
@@ -162,11 +180,12 @@ def save(opts, rows: list[dict]) -> None:
             style = "--" if media == "split" else "-"
             ax.plot([r["sp"] for r in pick], [r["peak_mb"] for r in pick], style, marker="o",
                     label=f"{tower}, {media}, {length}")  # fmt: skip
-    ax.set(xlabel="sp", ylabel="peak MB per rank", title="one long multimodal row (Qwen2-VL-shaped)")
+    what = "one long video" if opts.medium == "video" else "one long multimodal row"
+    ax.set(xlabel="sp", ylabel="peak MB per rank", title=f"{what} (Qwen2-VL-shaped)")
     ax.set_xscale("log", base=2)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(opts.out, "vlm_memory.png"), dpi=110)
+    fig.savefig(os.path.join(opts.out, f"{name}.png"), dpi=110)
 
 
 def main() -> None:
@@ -181,7 +200,8 @@ def main() -> None:
         choices=["whole", "split"],
         help="whole: every rank encodes all images (phase 1); split: sp_split_media (phase 2)",
     )
-    parser.add_argument("--image-share", type=float, default=0.5)
+    parser.add_argument("--medium", default="image", choices=["image", "video"], help="images, or one long video")
+    parser.add_argument("--image-share", type=float, default=0.5, help="the share of the row's media tokens")
     parser.add_argument("--grid", type=int, default=16, help="patches per image side (grid**2 / 4 placeholders)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--out", default="docs/benchmarks/vlm")

@@ -561,6 +561,8 @@ LAYOUTS = {
         Doc((0, 3, 2), (("image", (1, 4, 6)), ("image", (1, 2, 2)))),
     ],
     "videos": [Doc((1, 2), (("video", (2, 4, 8)),)), Doc((1,)), Doc((2, 1), (("video", (2, 2, 2)),))],
+    # one long video (4 temporal rows) and a text document: split over the ranks by frame (phase 2, FRAME_BASES)
+    "one_video": [Doc((2, 3), (("video", (4, 4, 4)),)), Doc((3,))],
     # enough media to split over 4 ranks (phase 2): five images of three sizes, two of them adjacent, two videos
     "many": [
         Doc((0, 3, 2), (("image", (1, 4, 4)), ("image", (1, 2, 2)))),

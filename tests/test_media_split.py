@@ -26,21 +26,53 @@ def test_balanced_groups_need_a_medium_per_rank() -> None:
 
 
 def test_media_layouts() -> None:
-    """Qwen-VL: a medium's patch rows from its grid, ``/ merge**2`` features; LLaVA: one pixel tensor and a fixed
-    number of features per image (its "mixed" video is an image); LLaVA-Next's any-resolution tiles and InternVL's
-    tiles are refused by name."""
+    """Qwen-VL: a medium's patch rows from its grid, ``/ merge**2`` features (a video: one unit per frame); LLaVA: one
+    pixel tensor and a fixed number of features per image (its "mixed" video is an image); LLaVA-Next's
+    any-resolution tiles and InternVL's tiles are refused by name."""
     from hf_sp_trainer import SPMultimodalCollator
     from hf_sp_trainer.multimodal.parts import token_ids, vlm_base
 
-    for family, patches, features in (("qwen2_vl", [16, 24], [4, 6]), ("llava", [1, 1, 1], [16, 16, 16])):
+    expected = {
+        ("qwen2_vl", "image"): ([16, 24], [4, 6], [0, 1], [1, 1]),
+        ("qwen2_vl", "video"): ([16, 16], [4, 4], [0, 0], [1, 1]),  # t = 2: two frames of one video
+        ("llava", "image"): ([1, 1, 1], [16, 16, 16], [0, 1, 2], [1, 1, 1]),
+    }
+    for (family, modality), (pixels, features, medium, frames) in expected.items():
         model = build_vlm(family)
         batch = SPMultimodalCollator(model)(make_examples(LAYOUTS["mixed"], family))
-        count = int((batch["input_ids"] == token_ids(model)["image"]).sum())
-        got = media_layout(vlm_base(model), "image", batch, count)
-        assert got == (patches, features) and sum(got[1]) == count, got
+        count = int((batch["input_ids"] == token_ids(model)[modality]).sum())
+        got = media_layout(vlm_base(model), modality, batch, count)
+        assert (got.pixel_rows, got.features, got.medium, got.frames) == (pixels, features, medium, frames), got
+        assert sum(got.features) == count
     for family in ("llava_next", "internvl"):
         model = build_vlm(family)
         batch = SPMultimodalCollator(model)(make_examples(LAYOUTS["mixed"], family))
         count = int((batch["input_ids"] == token_ids(model)["image"]).sum())
         with pytest.raises(ValueError, match=r"no layout SP can split.*Use split_media=False"):
             media_layout(vlm_base(model), "image", batch, count)
+
+
+def test_a_video_split_by_frame_gets_a_grid_row_per_part() -> None:
+    """Units 1..4: the last three frames of a 4-frame video and the first frame of the next, as grid rows
+    ``(3, h, w)`` and ``(1, h', w')``, their per-medium rows (``second_per_grid_ts``) taken along."""
+    import torch
+
+    from hf_sp_trainer.multimodal.media_split import MediaLayout, _group_inputs
+
+    grid = torch.tensor([[4, 2, 4], [3, 4, 4]])
+    kwargs = {"video_grid_thw": grid, "second_per_grid_ts": torch.tensor([0.5, 1.0])}
+    layout = MediaLayout([8] * 4 + [16] * 3, [2] * 4 + [4] * 3, [0] * 4 + [1] * 3, [1] * 7)
+    got = _group_inputs(kwargs, "video", layout, 1, 5)
+    assert got["video_grid_thw"].tolist() == [[3, 2, 4], [1, 4, 4]], got
+    assert got["second_per_grid_ts"].tolist() == [0.5, 1.0]
+    whole = MediaLayout([32, 48], [8, 12], [0, 1], [4, 3])  # a medium per unit: the grid rows as they were
+    assert _group_inputs(kwargs, "video", whole, 1, 2)["video_grid_thw"].tolist() == [[3, 4, 4]]
+
+
+def test_frame_bases_are_the_proven_ones() -> None:
+    """Every video encoder split by frame has a "one_video" split case in the matrix, and only those."""
+    from hf_sp_trainer.multimodal.media_split import FRAME_BASES
+    from tests.test_multimodal import SP2
+
+    proven = {type(build_vlm(c.family).model).__name__ for c in SP2 if c.layout == "one_video" and c.split}
+    assert proven == FRAME_BASES, (proven, FRAME_BASES)

@@ -77,10 +77,21 @@ SP2 = [
     Case("qianfan_ocr", "mixed"),
     Case("qianfan_ocr", "padded", ring=2),
     # phase 2: the media split over the ranks, their features exchanged
-    Case("qwen2_vl", "mixed", split=True),  # two images split, the one video encoded by both ranks
+    Case("qwen2_vl", "mixed", split=True),  # two images split, the one video's two frames too
     Case("llava", "many", split=True),
     Case("glm4v", "images", ring=2, split=True),
     Case("gemma3", "many", frozen=True, split=True),
+    # one long video split over the ranks by frame (FRAME_BASES): every frame-independent video encoder
+    Case("qwen2_vl", "one_video", split=True),
+    Case("qwen2_5_vl", "one_video", ring=2, split=True),
+    Case("qwen3_vl", "one_video", split=True),
+    Case("qwen3_vl_moe", "one_video", ring=2, split=True),
+    Case("qwen3_5", "one_video", split=True),
+    Case("qwen3_5_moe", "one_video", ring=2, split=True),
+    Case("glm4v", "one_video", ring=2, split=True),
+    Case("glm4v_moe", "one_video", split=True),
+    Case("glm46v", "one_video", split=True),
+    Case("glm_ocr", "one_video", ring=2, split=True),
 ]
 SP4 = [
     Case("qwen2_vl", "mixed", ring=2),
@@ -119,6 +130,9 @@ SP4 = [
     Case("qwen3_vl", "many", ring=2, split=True),  # deepstack levels exchanged with the features
     Case("qwen2_5_vl", "many", split=True),
     Case("llava", "many", ring=2, split=True),
+    Case("qwen2_vl", "one_video", split=True),  # a frame per rank
+    Case("qwen3_vl", "one_video", ring=2, split=True),
+    Case("glm4v", "one_video", split=True),
 ]
 
 

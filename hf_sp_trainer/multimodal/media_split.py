@@ -10,10 +10,15 @@ text hidden), small next to the tower's per-patch activations.
 
 Layouts split: flat patch rows with a ``{image,video}_grid_thw`` row per medium (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
 Qwen3.5, GLM-4V: ``t * h * w`` patches, ``/ merge**2`` features each) and one pixel tensor per image with a fixed
-number of features (LLaVA, Gemma3). Others are refused with a clear error.
+number of features (LLaVA, Gemma3). Others are refused with a clear error. The unit of the split is a medium, or for
+the videos of encoders that attend within each frame (``FRAME_BASES``: attention segments of ``h * w`` patches per
+temporal row, positions from ``(h, w)`` alone) a temporal row of a video: one long video is then split over the
+ranks too, each rank encoding its frames under a grid row of its own.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,6 +28,25 @@ from .parts import PIXELS, feature_rows
 
 PER_IMAGE_BASES = frozenset({"LlavaModel", "Gemma3Model"})  # pixel_values [images, C, H, W], features fixed per image
 PER_MEDIUM = {"image": ("image_grid_thw",), "video": ("video_grid_thw", "second_per_grid_ts")}
+# Video encoders whose frames (temporal rows of the grid) are encoded independently: attention within each frame
+# (transformers' per-frame cu_seqlens), rotary / learned positions from (h, w) repeated over t. Proven by the
+# "one_video" split cases of tests/test_multimodal.py.
+FRAME_BASES = frozenset(
+    {
+        *("Qwen2VLModel", "Qwen2_5_VLModel", "Qwen3VLModel", "Qwen3VLMoeModel", "Qwen3_5Model", "Qwen3_5MoeModel"),
+        *("Glm4vModel", "Glm4vMoeModel", "Glm46VModel", "GlmOcrModel"),
+    }
+)
+
+
+@dataclass
+class MediaLayout:
+    """The units the media split over the ranks: each one's pixel rows, feature rows, medium and temporal rows."""
+
+    pixel_rows: list[int]
+    features: list[int]
+    medium: list[int]  # index of the unit's medium (its grid row / pixel tensor) in the batch
+    frames: list[int]  # temporal grid rows of the unit (a whole medium: its t; a frame: 1)
 
 
 def balanced_groups(counts: list[int], parts: int) -> list[tuple[int, int]] | None:
@@ -43,8 +67,8 @@ def balanced_groups(counts: list[int], parts: int) -> list[tuple[int, int]] | No
     return list(zip(cuts[:-1], cuts[1:], strict=True))
 
 
-def media_layout(base: torch.nn.Module, modality: str, kwargs: dict, placeholders: int) -> tuple[list[int], list[int]]:
-    """Per medium of the batch: its pixel rows and its feature rows. Raises a ``ValueError`` (the same on every rank:
+def media_layout(base: torch.nn.Module, modality: str, kwargs: dict, placeholders: int) -> MediaLayout:
+    """The batch's media of ``modality`` as units of the split. Raises a ``ValueError`` (the same on every rank:
     they hold the same batch) for a layout this phase can't split."""
     grid = kwargs.get(f"{modality}_grid_thw")
     pixels = kwargs[PIXELS[modality]]
@@ -52,11 +76,15 @@ def media_layout(base: torch.nn.Module, modality: str, kwargs: dict, placeholder
     if grid is not None:
         vision = base.config.vision_config
         merge = getattr(vision, "spatial_merge_size", None) or getattr(base.config, "spatial_merge_size", 2)
-        patches = [int(t * h * w) for t, h, w in grid.tolist()]
-        return patches, [p // (merge * merge) for p in patches]
+        by_frame = modality == "video" and name in FRAME_BASES
+        units = []
+        for medium, (t, h, w) in enumerate(grid.tolist()):
+            for frames in [1] * t if by_frame else [t]:
+                units.append((frames * h * w, frames * h * w // (merge * merge), medium, frames))
+        return MediaLayout(*(list(x) for x in zip(*units, strict=True)))
     if name in PER_IMAGE_BASES and pixels.ndim == 4 and placeholders % pixels.shape[0] == 0:
         n = pixels.shape[0]
-        return [1] * n, [placeholders // n] * n
+        return MediaLayout([1] * n, [placeholders // n] * n, list(range(n)), [1] * n)
     raise ValueError(
         f"split_media: {name}'s {modality} inputs (pixel values {tuple(pixels.shape)}) have no layout SP can split "
         "over its ranks (splittable: flat patches with a grid_thw row per medium, as Qwen-VL and GLM-4V, or one "
@@ -64,11 +92,29 @@ def media_layout(base: torch.nn.Module, modality: str, kwargs: dict, placeholder
     )
 
 
+def _group_inputs(kwargs: dict, modality: str, layout: MediaLayout, lo: int, hi: int) -> dict:
+    """The per-medium encoder inputs of units ``lo .. hi - 1``: their media's rows, a grid row per medium whose ``t``
+    counts only the group's frames of it."""
+    medium = torch.tensor(layout.medium[lo:hi])
+    ids, inverse = torch.unique_consecutive(medium, return_inverse=True)
+    out = {}
+    for name in PER_MEDIUM[modality]:
+        value = kwargs.get(name)
+        if value is not None:
+            out[name] = value[ids.to(value.device)]
+    grid = out.get(f"{modality}_grid_thw")
+    if grid is not None:
+        frames = torch.zeros(len(ids), dtype=grid.dtype).index_add(0, inverse, torch.tensor(layout.frames[lo:hi]))
+        out[f"{modality}_grid_thw"] = torch.cat([frames.to(grid.device)[:, None], grid[:, 1:]], dim=1)
+    return out
+
+
 def encode_split(encode, base, modality: str, kwargs: dict, placeholders: int, group) -> tuple | None:
     """The whole batch's feature rows ``[N, hidden]``, Qwen3-VL's deepstack levels (each ``[N, hidden]``) and this
     rank's own encoder output, this rank having encoded only its group of the media; ``None`` with fewer media than
     ranks (the caller then encodes them all)."""
-    pixel_rows, counts = media_layout(base, modality, kwargs, placeholders)
+    layout = media_layout(base, modality, kwargs, placeholders)
+    counts = layout.features
     sp, rank = dist.get_world_size(group), dist.get_rank(group)
     groups = balanced_groups(counts, sp)
     if groups is None:
@@ -76,20 +122,17 @@ def encode_split(encode, base, modality: str, kwargs: dict, placeholders: int, g
     lo, hi = groups[rank]
     key = PIXELS[modality]
     starts = [0]
-    for rows in pixel_rows:
+    for rows in layout.pixel_rows:
         starts.append(starts[-1] + rows)
-    mine = dict(kwargs)
+    mine = dict(kwargs) | _group_inputs(kwargs, modality, layout, lo, hi)
     mine[key] = kwargs[key][starts[lo] : starts[hi]]
-    for name in PER_MEDIUM[modality]:  # the encoder's per-medium inputs
-        if kwargs.get(name) is not None:
-            mine[name] = kwargs[name][lo:hi]
     encoded = encode(base, modality, mine)
     levels = [feature_rows(encoded.pooler_output)]
     levels += [feature_rows(level) for level in getattr(encoded, "deepstack_features", None) or []]
     local = torch.stack([x.reshape(-1, x.shape[-1]) for x in levels], 1)  # [rows, 1 + deepstack, hidden]
     if local.shape[0] != sum(counts[lo:hi]):
         raise ValueError(
-            f"split_media: {type(base).__name__} encoded {local.shape[0]} feature rows for its {modality}s "
+            f"split_media: {type(base).__name__} encoded {local.shape[0]} feature rows for its {modality} units "
             f"{lo}..{hi - 1}, expected {sum(counts[lo:hi])}; use split_media=False."
         )
     width = max(sum(counts[a:b]) for a, b in groups)
