@@ -45,7 +45,7 @@ class SequenceParallelArguments:
         metadata={
             "help": "Vision-language models: split the batch's images / videos over the SP ranks (each encodes a "
             "group, the features are exchanged with one all-gather) instead of every rank encoding all of them. "
-            "Pays for a trained vision tower on image-heavy rows. Qwen-VL, GLM-4V, LLaVA and Gemma3 layouts; a "
+            "Pays for a trained vision tower on image-heavy rows. Qwen-VL, GLM-4V, LLaVA-style and Gemma3 layouts; a "
             "long video of Qwen-VL / GLM-4V is split by frame. No effect on text-only models."
         },
     )

@@ -28,7 +28,7 @@ def test_balanced_groups_need_a_medium_per_rank() -> None:
 def test_media_layouts() -> None:
     """Qwen-VL: a medium's patch rows from its grid, ``/ merge**2`` features (a video: one unit per frame); LLaVA: one
     pixel tensor and a fixed number of features per image (its "mixed" video is an image); LLaVA-Next's
-    any-resolution tiles and InternVL's tiles are refused by name."""
+    any-resolution tiles and Idefics3's images per example are refused by name."""
     from hf_sp_trainer import SPMultimodalCollator
     from hf_sp_trainer.multimodal.parts import token_ids, vlm_base
 
@@ -44,7 +44,7 @@ def test_media_layouts() -> None:
         got = media_layout(vlm_base(model), modality, batch, count)
         assert (got.pixel_rows, got.features, got.medium, got.frames) == (pixels, features, medium, frames), got
         assert sum(got.features) == count
-    for family in ("llava_next", "internvl"):
+    for family in ("llava_next", "idefics3"):
         model = build_vlm(family)
         batch = SPMultimodalCollator(model)(make_examples(LAYOUTS["mixed"], family))
         count = int((batch["input_ids"] == token_ids(model)["image"]).sum())
@@ -69,10 +69,16 @@ def test_a_video_split_by_frame_gets_a_grid_row_per_part() -> None:
     assert _group_inputs(kwargs, "video", whole, 1, 2)["video_grid_thw"].tolist() == [[3, 4, 4]]
 
 
-def test_frame_bases_are_the_proven_ones() -> None:
-    """Every video encoder split by frame has a "one_video" split case in the matrix, and only those."""
-    from hf_sp_trainer.multimodal.media_split import FRAME_BASES
+def test_split_layouts_are_the_proven_ones() -> None:
+    """Every video encoder split by frame has a "one_video" split case in the sp-2 matrix, every per-image layout a
+    split case on images, and only those."""
+    from hf_sp_trainer.multimodal.media_split import FRAME_BASES, PER_IMAGE_BASES
     from tests.test_multimodal import SP2
 
-    proven = {type(build_vlm(c.family).model).__name__ for c in SP2 if c.layout == "one_video" and c.split}
-    assert proven == FRAME_BASES, (proven, FRAME_BASES)
+    def bases(cases) -> set[str]:
+        return {type(build_vlm(c.family).model).__name__ for c in cases}
+
+    split = [c for c in SP2 if c.split]
+    assert bases(c for c in split if c.layout == "one_video") == FRAME_BASES
+    per_image = {b for b in bases(c for c in split if c.layout in ("mixed", "many")) if b not in FRAME_BASES}
+    assert per_image == PER_IMAGE_BASES, (per_image, PER_IMAGE_BASES)

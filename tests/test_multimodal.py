@@ -81,6 +81,13 @@ SP2 = [
     Case("llava", "many", split=True),
     Case("glm4v", "images", ring=2, split=True),
     Case("gemma3", "many", frozen=True, split=True),
+    # images (InternVL: tiles) of a fixed feature count, each encoded alone (PER_IMAGE_BASES)
+    Case("vipllava", "many", split=True),
+    Case("internvl", "many", ring=2, split=True),
+    Case("qianfan_ocr", "many", split=True),
+    Case("aya_vision", "many", ring=2, split=True),
+    Case("cohere2_vision", "many", split=True),
+    Case("got_ocr2", "many", ring=2, split=True),
     # one long video split over the ranks by frame (FRAME_BASES): every frame-independent video encoder
     Case("qwen2_vl", "one_video", split=True),
     Case("qwen2_5_vl", "one_video", ring=2, split=True),
@@ -130,6 +137,8 @@ SP4 = [
     Case("qwen3_vl", "many", ring=2, split=True),  # deepstack levels exchanged with the features
     Case("qwen2_5_vl", "many", split=True),
     Case("llava", "many", ring=2, split=True),
+    Case("internvl", "many", split=True),
+    Case("got_ocr2", "many", ring=2, split=True),
     Case("qwen2_vl", "one_video", split=True),  # a frame per rank
     Case("qwen3_vl", "one_video", ring=2, split=True),
     Case("glm4v", "one_video", split=True),

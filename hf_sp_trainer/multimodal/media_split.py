@@ -10,7 +10,8 @@ text hidden), small next to the tower's per-patch activations.
 
 Layouts split: flat patch rows with a ``{image,video}_grid_thw`` row per medium (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
 Qwen3.5, GLM-4V: ``t * h * w`` patches, ``/ merge**2`` features each) and one pixel tensor per image with a fixed
-number of features (LLaVA, Gemma3). Others are refused with a clear error. The unit of the split is a medium, or for
+number of features (``PER_IMAGE_BASES``: LLaVA, Gemma3, InternVL's tiles, ...). Others are refused with a clear
+error. The unit of the split is a medium, or for
 the videos of encoders that attend within each frame (``FRAME_BASES``: attention segments of ``h * w`` patches per
 temporal row, positions from ``(h, w)`` alone) a temporal row of a video: one long video is then split over the
 ranks too, each rank encoding its frames under a grid row of its own.
@@ -26,7 +27,13 @@ import torch.distributed as dist
 from ..mixers.gather import all_gather_stack
 from .parts import PIXELS, feature_rows
 
-PER_IMAGE_BASES = frozenset({"LlavaModel", "Gemma3Model"})  # pixel_values [images, C, H, W], features fixed per image
+# pixel_values [images (InternVL: tiles), C, H, W], a fixed number of features per image, each encoded alone
+PER_IMAGE_BASES = frozenset(
+    {
+        *("LlavaModel", "Gemma3Model", "VipLlavaModel", "InternVLModel", "QianfanOCRModel"),
+        *("AyaVisionModel", "Cohere2VisionModel", "GotOcr2Model"),
+    }
+)
 PER_MEDIUM = {"image": ("image_grid_thw",), "video": ("video_grid_thw", "second_per_grid_ts")}
 # Video encoders whose frames (temporal rows of the grid) are encoded independently: attention within each frame
 # (transformers' per-frame cu_seqlens), rotary / learned positions from (h, w) repeated over t. Proven by the
