@@ -62,3 +62,30 @@ def test_sp_preferences_on_vision_data_match_trl(kind: str, family: str, sp_size
         sp_size,
         f"worst {max(diffs.values()):.1e} ({max(diffs, key=diffs.get)}); weights {diff / norm:.1e}",
     )
+
+
+def test_hook_positions_are_the_models_own_and_need_token_types() -> None:
+    """The preference hooks' positions of a padded Qwen2-VL batch (rows of different lengths, right-padded) are what
+    its own ``compute_3d_position_ids`` gives that batch; grids without ``mm_token_type_ids`` raise (in the pre-hook,
+    before any collective), as the model's own forward does."""
+    import torch
+
+    from hf_sp_trainer.multimodal.parts import vlm_base
+    from hf_sp_trainer.preference.hooks import LogProbHooks
+    from tests.multimodal_harness import LAYOUTS, build_vlm, make_examples, pad_rows
+
+    model = build_vlm("qwen2_vl")
+    hooks = LogProbHooks(sp=None, pad_token_id=0)
+    hooks.attach(model)
+    batch = pad_rows(make_examples(LAYOUTS["mixed"]))
+    got = hooks.rope_positions(batch)
+    base = vlm_base(model)
+    base.rope_deltas = None
+    keys = ("input_ids", "attention_mask", "mm_token_type_ids", "image_grid_thw", "video_grid_thw")
+    want = base.compute_3d_position_ids(inputs_embeds=None, **{k: batch[k] for k in keys})
+    mask = batch["attention_mask"].bool()
+    assert torch.equal(got[:, mask], want[:, mask])
+    assert not torch.equal(got[0], got[1])  # the h / w rows differ from the time row: images in the batch
+    with pytest.raises(ValueError, match="without mm_token_type_ids"):
+        hooks.rope_positions({k: v for k, v in batch.items() if k != "mm_token_type_ids"})
+    hooks.remove()

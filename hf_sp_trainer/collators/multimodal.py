@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..multimodal.parts import PIXELS, rope_index, shared_placeholder, token_ids, vlm_base
+from ..multimodal.parts import PIXELS, rope_index, shared_placeholder, token_ids, uses_mrope, vlm_base
 from ..sharding import IGNORE_INDEX, MEDIA_KEYS
 
 TOKEN_KEYS = ("input_ids", "labels", "mm_token_type_ids")
@@ -34,7 +34,7 @@ class SPMultimodalCollator:
             raise ValueError(f"SPMultimodalCollator needs a vision-language model; got {type(model).__name__}.")
         self.token_ids = token_ids(model)
         self._base = base
-        self._rope_index = getattr(base, "get_rope_index", None)
+        self._mrope = uses_mrope(model)
         vision = getattr(model.config, "vision_config", None)
         self._merge = getattr(vision, "spatial_merge_size", None)
         forward = inspect.signature(type(base).forward).parameters
@@ -98,7 +98,7 @@ class SPMultimodalCollator:
     def _positions(self, doc: dict[str, Any]) -> torch.Tensor:
         n = len(doc["input_ids"])
         text = torch.arange(n).view(1, 1, n)
-        if self._rope_index is None:
+        if not self._mrope:
             return text[0]  # [1, n]
         has_media = bool(doc["mm_token_type_ids"].any())
         if not has_media:

@@ -11,10 +11,10 @@ text hidden), small next to the tower's per-patch activations.
 Layouts split: flat patch rows with a ``{image,video}_grid_thw`` row per medium (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
 Qwen3.5, GLM-4V: ``t * h * w`` patches, ``/ merge**2`` features each) and one pixel tensor per image with a fixed
 number of features (``PER_IMAGE_BASES``: LLaVA, Gemma3, InternVL's tiles, ...). Others are refused with a clear
-error. The unit of the split is a medium, or for
-the videos of encoders that attend within each frame (``FRAME_BASES``: attention segments of ``h * w`` patches per
-temporal row, positions from ``(h, w)`` alone) a temporal row of a video: one long video is then split over the
-ranks too, each rank encoding its frames under a grid row of its own.
+error. The unit of the split is a medium, or for the videos of encoders that attend within each frame
+(``FRAME_BASES``: attention segments of ``h * w`` patches per temporal row, positions from ``(h, w)`` alone) a
+temporal row of a video: one long video is then split over the ranks too, each rank encoding its frames under a grid
+row of its own.
 """
 
 from __future__ import annotations

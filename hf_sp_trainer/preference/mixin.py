@@ -40,9 +40,7 @@ class PreferenceSPMixin(SequenceParallelMixin):
     sp_fuses_lm_loss = True  # TRL's fused LM head (or a classification head): fused_loss has nothing to do
     sp_shards_batch = False  # the model hooks shard inside each forward
     sp_hooks_cls: type = LogProbHooks
-    sp_vision_data = (
-        False  # TRL's vision batches (DPO, KTO): exact for the VLMs SP supports (tests/test_multimodal_dpo)
-    )
+    sp_vision_data = False  # TRL's vision batches (DPO, KTO): see tests/test_multimodal_dpo.py
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
