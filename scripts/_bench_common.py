@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import NoReturn
 
 import torch
 
@@ -109,3 +110,14 @@ def packed_row(length: int, doc_size: int = 0) -> dict[str, torch.Tensor]:
     input_ids = torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(length))
     labels = input_ids.masked_fill(position_ids == 0, -100)
     return {"input_ids": input_ids[None], "position_ids": position_ids[None], "labels": labels[None]}
+
+
+def end_spawned_worker() -> NoReturn:
+    """The last call of a spawned benchmark worker: a barrier, the process groups destroyed, the exit hooks run,
+    then exit code 0 (``hf_sp_trainer``'s own worker teardown). A normal interpreter exit would run the C++ static
+    destructors, where a finished gloo process now and then aborts (``terminate called without an active
+    exception``) and ``mp.spawn`` fails the whole benchmark. Write the worker's results before calling it."""
+    from hf_sp_trainer.distributed.teardown import end_process_groups, exit_finished_worker
+
+    end_process_groups()
+    exit_finished_worker()

@@ -151,6 +151,7 @@ def _long_row(world: int, device, tokens: int, dry: bool) -> dict[str, Any]:
 def _worker(rank: int, world: int, port: int, device: str, dry: bool, long_tokens: int, out_path: str) -> None:
     import torch.distributed as dist
     import transformers
+    from _bench_common import end_spawned_worker
 
     transformers.logging.set_verbosity_error()
     backend = "nccl" if device == "cuda" and world == 1 else "gloo"  # gloo: two ranks on one GPU
@@ -180,11 +181,10 @@ def _worker(rank: int, world: int, port: int, device: str, dry: bool, long_token
             peaks = [g[key].get("peak_mb") for g in gathered]
             if key.startswith("long_row") and None not in peaks:
                 rec["peak_mb"] = max(peaks)
-    dist.barrier()
-    dist.destroy_process_group()
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(out, f, default=str)
+    end_spawned_worker()
 
 
 def vlm_checks(device: torch.device, dry: bool) -> dict[str, Any]:

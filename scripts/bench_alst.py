@@ -250,9 +250,7 @@ def _worker(rank, world, port, method, kv, args, ref_dir, results):
             dist.all_gather_object(ranks, mine, group=group)
         if rank == 0:
             results.append(_result(method, kv, length, world, threads, ranks))
-    if method != "single":
-        dist.barrier()
-        dist.destroy_process_group()
+    bench.end_spawned_worker()
 
 
 def _result(method, kv, length, world, threads, ranks) -> dict:

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _bench_common import bench_llama, free_port, packed_row, write_table
+from _bench_common import bench_llama, end_spawned_worker, free_port, packed_row, write_table
 
 
 def _step(model, sp, length: int) -> tuple[float, dict[str, torch.Tensor]]:
@@ -68,8 +68,7 @@ def _worker(rank: int, world: int, port: int, opts, out: dict) -> None:
         out["rows"] = rows
         out["graph_breaks"] = sum(counters["graph_break"].values())
         out["unique_graphs"] = counters["stats"]["unique_graphs"]
-    dist.barrier()
-    dist.destroy_process_group()
+    end_spawned_worker()
 
 
 def main() -> None:

@@ -124,7 +124,7 @@ def _layer_worker(rank, world, port, args, results):
                   f"(theory {row['ours_theory_mb']:.3f}), headwise {row['headwise_s']:.2f} s {row['headwise_mb']:.2f} "
                   f"MB (theory {row['headwise_theory_mb']:.2f}); max rel diff out {row['out_rel']:.1e} grads "
                   f"{row['grad_rel']:.1e}", flush=True)  # fmt: skip
-    dist.destroy_process_group()
+    bench.end_spawned_worker()
 
 
 # -- 2. the real GDN shape, analytically ----------------------------------------------------------------------------
@@ -181,7 +181,7 @@ def _model_worker(rank, world, port, args, results):
     if rank == 0:
         results.append({"sp": world, "loss": float(loss), "sp_s": seconds})
     sp.remove()
-    dist.destroy_process_group()
+    bench.end_spawned_worker()
 
 
 def single_model(args) -> dict:

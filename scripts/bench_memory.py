@@ -28,6 +28,7 @@ import torch
 import torch.multiprocessing as mp
 from _bench_common import (
     available_mb,
+    end_spawned_worker,
     free_port,
     peak_mb,
     pyplot,
@@ -169,7 +170,6 @@ def _worker(rank: int, world: int, port: int, opts, jobs: list, out_path: str) -
     if torch.distributed.is_initialized():
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, results)
-        torch.distributed.destroy_process_group()
     else:
         gathered = [results]
     if rank == 0:
@@ -181,6 +181,7 @@ def _worker(rank: int, world: int, port: int, opts, jobs: list, out_path: str) -
             merged.append(rec)
         with open(out_path, "w") as f:
             json.dump(merged, f)
+    end_spawned_worker()
 
 
 def run_jobs(opts, model_name: str, sp: int, jobs: list[tuple[str, int]]) -> list[dict]:

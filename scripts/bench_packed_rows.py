@@ -19,7 +19,15 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _bench_common import bench_llama, free_port, packed_row, peak_mb, reset_peak, set_malloc_env
+from _bench_common import (
+    bench_llama,
+    end_spawned_worker,
+    free_port,
+    packed_row,
+    peak_mb,
+    reset_peak,
+    set_malloc_env,
+)
 
 
 def _worker(rank, world, port, args, out_path):
@@ -57,8 +65,7 @@ def _worker(rank, world, port, args, out_path):
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(rows, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    end_spawned_worker()
 
 
 def main() -> None:

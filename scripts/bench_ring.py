@@ -51,6 +51,7 @@ from _bench_common import (
     LAYERS,
     MODEL_META,
     bench_llama,
+    end_spawned_worker,
     free_port,
     packed_row,
     peak_mb,
@@ -175,8 +176,7 @@ def _worker(rank, world, port, args, results):
             if rank == 0:
                 results.append(_result(world, ring, length, doc, shard, gathered, args))
         sp.remove()
-    dist.barrier()
-    dist.destroy_process_group()
+    end_spawned_worker()
 
 
 def _result(sp, ring, length, doc, shard, ranks, args) -> dict:

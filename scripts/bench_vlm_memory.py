@@ -29,7 +29,7 @@ import time
 
 import torch
 import torch.multiprocessing as mp
-from _bench_common import free_port, pyplot, set_malloc_env, write_table
+from _bench_common import end_spawned_worker, free_port, pyplot, set_malloc_env, write_table
 from bench_memory import _step_callback
 
 IMG, VID, VSTART, VEND = 1000, 1001, 1002, 1003
@@ -132,8 +132,6 @@ def _worker(rank: int, world: int, port: int, opts, jobs: list, out_path: str) -
     if torch.distributed.is_initialized():
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, results)
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
     if rank == 0:
         for i, rec in enumerate(results):
             per_rank = [g[i] for g in gathered]
@@ -142,6 +140,7 @@ def _worker(rank: int, world: int, port: int, opts, jobs: list, out_path: str) -
                        step_s=round(max(r["step_s"] for r in per_rank), 3))  # fmt: skip
         with open(out_path, "w") as f:
             json.dump(results, f)
+    end_spawned_worker()
 
 
 def run(opts, sp: int, jobs: list[tuple[str, int]]) -> list[dict]:
