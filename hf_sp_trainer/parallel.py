@@ -19,8 +19,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging
 
 from .attention import UlyssesAttention, all_gather_along, validate_model_for_sp
-from .attention.ulysses import VARLEN_KEY, head_counts
+from .attention.ulysses import VARLEN_KEY
 from .distributed.teardown import register_exit_hook
+from .layer_configs import head_counts
 from .mixers.swap import attach_mixers, check_mixer_kernels, check_state_passing, release_mixers
 from .multimodal.features import MediaFeatures
 from .multimodal.parts import is_multimodal

@@ -83,6 +83,11 @@ class ModelShape:
     @classmethod
     def from_config(cls, config, name: str = "") -> ModelShape:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if getattr(text, "is_heterogeneous", False):
+            raise ValueError(
+                f"{name or type(text).__name__} sets {sorted(text.per_layer_attributes)} per layer (per_layer_config); "
+                "the memory model takes one shape for every layer. Measure such a model with scripts/bench_memory.py."
+            )
         heads = text.num_attention_heads
         kinds = list(getattr(text, "layer_types", None) or [])
         if not getattr(text, "intermediate_size", None):

@@ -32,6 +32,8 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import DefaultFlowCallback
 from transformers.utils import logging
 
+from .layer_configs import attention_shapes
+
 logger = logging.get_logger(__name__)
 
 PEAK_FLOPS_ENV = "HF_SP_PEAK_FLOPS"
@@ -103,13 +105,12 @@ def matmul_params(model: nn.Module) -> tuple[int, int]:
 
 
 def attention_geometry(config: Any) -> tuple[int, int]:
-    """``(layers, query heads x head_dim)`` of a decoder config (``(0, 0)`` when unknown: no attention term)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads, layers = getattr(text, "num_attention_heads", 0) or 0, getattr(text, "num_hidden_layers", 0) or 0
-    if not heads:
+    """``(layers, query heads x head_dim)`` of a decoder config, the width averaged over the layers where it differs
+    (Gemma4's full-attention layers); ``(0, 0)`` when unknown: no attention term."""
+    shapes = attention_shapes(config)
+    if not shapes:
         return 0, 0
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return layers, heads * head_dim
+    return len(shapes), round(sum(s.heads * s.head_dim for s in shapes) / len(shapes))
 
 
 def training_flops(tokens: float, pairs: float, params: int, trainable: int, layers: int, attn_width: int) -> float:

@@ -43,6 +43,8 @@ SHRINK = {
     "pad_token_id": 0,
     "bos_token_id": 1,
     "eos_token_id": 2,
+    "vocab_size_per_layer_input": VOCAB,  # Gemma4's per-layer embeddings
+    "hidden_size_per_layer_input": 8,
     # MoE: few experts, every MoE layer routed, the router aux loss on and weighty
     "num_experts": 4,
     "num_local_experts": 4,
@@ -158,6 +160,7 @@ def tiny_configs(model_type: str, router_logits: bool = True):
 
     config_cls = CONFIG_MAPPING[model_type]
     default = config_cls()
+    default.allow_global_per_layer_attribute_access = True  # heterogeneous configs: read the global defaults
     known = set(default.to_dict()) | set(getattr(config_cls, "attribute_map", {}))
     kwargs = {
         k: v

@@ -27,6 +27,7 @@ FAMILIES = {
     "mistral": "MistralConfig",
     "gemma3": "Gemma3TextConfig",
     "phi3": "Phi3Config",
+    "gemma4": "Gemma4TextConfig",  # per-layer head sizes (a heterogeneous config), per-layer embeddings, shared kv
 }
 MOE_FAMILIES = {  # not dense per-token MLPs (tiled_mlp refuses them)
     "mixtral": "MixtralConfig",
@@ -81,6 +82,16 @@ FAMILY_OVERRIDES = {
         linear_conv_kernel_dim=4,
     ),  # fmt: skip
     "lfm2": dict(layer_types=["conv", "full_attention"], conv_L_cache=3, block_ff_dim=128),
+    "gemma4": dict(
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=12,
+        global_head_dim=32,  # the full-attention layers' head_dim (per_layer_config)
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB,
+        num_kv_shared_layers=2,  # layers 2 and 3 reuse the k/v of layers 0 and 1
+        final_logit_softcapping=30.0,
+    ),
     "minimax": dict(
         layer_types=["linear_attention", "full_attention"], block_size=8, num_local_experts=4, **MOE
     ),  # blocks of 8: documents span several blocks and shards

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from ..layer_configs import attention_shapes, head_counts
 from ..mixers.detect import check_sequence_mixers, uses_attention_registry
 from ..multimodal.parts import (
     check_multimodal,
@@ -75,12 +76,6 @@ class _ContiguousOutput:
         return getattr(self._attention, name)
 
 
-def head_counts(config) -> tuple[int, int]:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    return heads, getattr(text, "num_key_value_heads", None) or heads
-
-
 def kv_replication(num_kv_heads: int, sp_size: int) -> int:
     """How often each kv head is repeated so that the kv heads split evenly over ``sp_size`` ranks."""
     return math.lcm(num_kv_heads, sp_size) // num_kv_heads
@@ -100,15 +95,18 @@ def validate_model_for_sp(
         )
     check_multimodal(model, sp_size)
     check_sequence_mixers(text_decoder(model), sp_size)  # a VLM's encoders keep their own kernels
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if getattr(text, "num_attention_heads", None) is None:  # a pure state-space model (Mamba2ForCausalLM)
+    shapes = attention_shapes(model.config)
+    if not shapes:  # a pure state-space model (Mamba2ForCausalLM)
         raise ValueError(
             f"{name} has no attention heads: hf_sp_trainer splits sp_size over them (sp_size={sp_size}); SP for models "
             "without attention is not supported yet. Use sp_size=1 for this model."
         )
-    heads, kv_heads = head_counts(model.config)
-    if heads % kv_heads:
-        raise ValueError(f"{name} has {heads} query heads, not a multiple of its {kv_heads} key/value heads.")
+    for i, shape in enumerate(shapes):
+        if shape.heads % shape.kv_heads:
+            raise ValueError(
+                f"{name} layer {i} has {shape.heads} query heads, not a multiple of its {shape.kv_heads} kv heads."
+            )
+    heads, _ = head_counts(model.config)
     check_sinks(model)
     ulysses, ring = split_sp_size(sp_size, heads, ring_size)
     kernel = kernel or model.config._attn_implementation
