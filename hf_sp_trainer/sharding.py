@@ -31,6 +31,7 @@ MEDIA_KEYS = (
     *("pixel_values", "image_grid_thw", "image_sizes", "spatial_shapes", "pixel_attention_mask"),
     *("pixel_values_videos", "video_grid_thw", "second_per_grid_ts"),
     "batch_num_images",  # LLaVA-OneVision: images per example (several skip the tiles), one entry per document
+    *("image_position_ids", "video_position_ids", "num_frames_per_video"),  # Gemma4: patch (x, y), -1 = padding
 )
 
 

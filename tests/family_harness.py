@@ -90,6 +90,21 @@ SHRINK = {
 }
 
 
+# Per family: fields its modeling code needs that the default config lacks (DBRX reads ``attn_config.rope_theta``
+# and clamps by ``clip_qkv``, as its checkpoints set them) or sizes the generic shrink can't derive (XLNet's
+# ``d_head``, Qwen4-Exp's QSA indexer, Gemma3n's shared-kv layers).
+FAMILY_EXTRA = {
+    "dbrx": {
+        "d_model": 64,  # by its own name: its FFN copies it before the attribute map sets hidden_size
+        "attn_config": {"rope_theta": 10000.0, "kv_n_heads": 2, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
+    },
+    "xlnet": {"d_head": 16},
+    "gemma3n_text": {"num_kv_shared_layers": 4},  # of the shrunk 11 layers (its default, 15, shares them all)
+    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+                           indexer_compress_ratio=4),  # fmt: skip
+}
+
 # ``None`` in these means "derive it" (not "no such feature"): some families don't, so they are set too.
 DERIVED = {"head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_experts", "moe_intermediate_size"}
 DERIVED |= {"n_shared_experts", "sliding_window"}
@@ -167,6 +182,7 @@ def tiny_configs(model_type: str, router_logits: bool = True):
         for k, v in SHRINK.items()
         if k in known and (_shrinkable(getattr(default, k, None), v) or k in DERIVED and getattr(default, k) is None)
     }
+    kwargs |= FAMILY_EXTRA.get(model_type, {})
     if "output_router_logits" in kwargs:
         kwargs["output_router_logits"] = router_logits
     kwargs.update({k: 0.0 for k, v in default.to_dict().items() if _is_dropout(k, v)})  # same random draws: none

@@ -62,7 +62,12 @@ FAMILIES = {
     "idefics2": "Idefics2ForConditionalGeneration",  # a perceiver resampler (16 latents) + a Mistral decoder
     "got_ocr2": "GotOcr2ForConditionalGeneration",  # a SAM tower (windowed, relative positions), strided convs, Qwen2
     "llava_onevision": "LlavaOnevisionForConditionalGeneration",  # LLaVA-Next's tiles, but not in multi-image examples
+    # Gemma4: per-layer head sizes, per-layer embeddings, shared kv; image / video tokens see their whole image (a
+    # frame) on the sliding layers ("vision" mode), or causal throughout (gemma4_causal, as its smaller models)
+    "gemma4": "Gemma4ForConditionalGeneration",
+    "gemma4_causal": "Gemma4ForConditionalGeneration",
 }
+GEMMA4 = ("gemma4", "gemma4_causal")  # h x w patches of 2 x 2 pixels (positions, -1 = padding), pooled 2 x 2
 PIXTRAL = ("mistral3", "lighton_ocr")  # images of any size, [IMG_BREAK] rows
 SHUFFLED = ("aya_vision", "cohere2_vision")  # 16 x 16 pixels, 2 x 2 patches, pixel-shuffled by 2: 16 placeholders
 IDEFICS = ("idefics3", "smolvlm", "idefics2")  # the same tower shape, images per example in a batch dim of their own
@@ -110,6 +115,46 @@ def gemma3_config():
                 pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
     return Gemma3Config(vision_config=vision, text_config=text, mm_tokens_per_image=16, image_token_index=IMG,
                         boi_token_index=VSTART, eoi_token_index=VEND)  # fmt: skip
+
+
+GEMMA4_PATCHES = 64  # the processor pads every image / frame to max_soft_tokens x k**2 patches (16 x 4 here)
+
+
+def gemma4_config(family: str = "gemma4"):
+    """Gemma4 with a sliding window (5) shorter than an image, two full-attention layers of another head size, two
+    layers reusing earlier layers' k/v, per-layer embeddings; no audio tower."""
+    from transformers import Gemma4Config
+
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=8,
+        patch_size=2,
+        pooling_kernel_size=2,
+        position_embedding_size=16,
+    )
+    text = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=5,
+                layer_types=["sliding_attention", "full_attention"] * 2, hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2, use_bidirectional_attention="vision" if family == "gemma4" else None)  # fmt: skip
+    return Gemma4Config(text_config=text, vision_config=vision, audio_config=None, image_token_id=IMG,
+                        video_token_id=VID, boi_token_id=VSTART, eoi_token_id=VEND, audio_token_id=126,
+                        boa_token_id=VSTART2, eoa_token_index=127)  # fmt: skip
+
+
+def gemma4_patches(h: int, w: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One image / frame of h x w patches as Gemma4's processor gives it: ``[GEMMA4_PATCHES, 12]`` pixel rows and
+    ``[GEMMA4_PATCHES, 2]`` (x, y) positions, padding patches zero at -1."""
+    pixels = torch.zeros(GEMMA4_PATCHES, 3 * PATCH * PATCH)
+    pixels[: h * w] = torch.rand(h * w, 3 * PATCH * PATCH, generator=g)
+    ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    positions = torch.full((GEMMA4_PATCHES, 2), -1)
+    positions[: h * w] = torch.stack([xs.flatten(), ys.flatten()], -1)
+    return pixels, positions
 
 
 def shuffled_config(family: str):
@@ -362,6 +407,7 @@ def build_vlm(family: str = "qwen2_vl", seed: int = 0):
     configs |= {f: functools.partial(llava_like_config, f) for f in LLAVA_LIKE[1:]}
     configs |= {"llava_next_video": llava_next_video_config, "paddleocr_vl": paddleocr_vl_config}
     configs["qianfan_ocr"] = functools.partial(internvl_config, "qianfan_ocr")
+    configs |= {f: functools.partial(gemma4_config, f) for f in GEMMA4}
     config = configs[family]() if family in configs else qwen_vl_config(family)
     cls = FAMILIES[family]
     torch.manual_seed(seed)
@@ -370,6 +416,13 @@ def build_vlm(family: str = "qwen2_vl", seed: int = 0):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
+        if family in GEMMA4:
+            # its position table starts as ones (every patch alike, attention all ties); its attention has scale 1
+            # and leaves the temperature to the learned q / k norms: scaled here to the usual 1 / sqrt(head_dim)
+            model.model.vision_tower.patch_embedder.position_embedding_table.normal_()
+            for name, p in model.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.mul_(p.numel() ** -0.25)
     weak_decay(model)  # hybrids: a state that reaches across the shards
     return model.eval()
 
@@ -387,7 +440,8 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
         ids: list[int] = []
         types: list[int] = []
         pixels = {"image": [], "video": []}
-        grids = {"image": [], "video": []}
+        grids = {"image": [], "video": []}  # Gemma4: the patch positions
+        example_frames: list[int] = []  # Gemma4: frames per video
         for i, n in enumerate(doc.text):
             ids += torch.randint(3, IMG, (n,), generator=g).tolist()
             types += [0] * (len(ids) - len(types))
@@ -405,6 +459,18 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
                     types += [MODALITY_TYPE["image"]] * count
                     pixels["image"].append(image)
                     grids["image"].append(torch.tensor([[4 * h, 4 * w]]))
+                    continue
+                if family in GEMMA4:  # per image / video frame: h x w patches, (h/2)(w/2) placeholders
+                    token = IMG if modality == "image" else VID
+                    for _ in range(t):
+                        stamp = [int(torch.randint(3, IMG, (1,), generator=g))] if modality == "video" else []
+                        ids += stamp + [VSTART] + [token] * (h * w // 4) + [VEND]
+                        frame = gemma4_patches(h, w, g)
+                        pixels[modality].append(frame[0][None])
+                        grids[modality].append(frame[1][None])
+                    types += [MODALITY_TYPE[modality] if x == token else 0 for x in ids[len(types) :]]
+                    if modality == "video":
+                        example_frames.append(t)
                     continue
                 if family == "lfm2_vl":  # h x w patches of 2 x 2 pixels (NaFlex rows), (h/2)(w/2) placeholders
                     ids += [VSTART] + [IMG] * (h * w // 4) + [VEND]
@@ -451,6 +517,15 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
             example |= {"pixel_values": torch.stack(padded), "image_sizes": torch.cat(grids["image"])}
             if family == "llava_onevision":  # its processor's count: several images per example skip the tiles
                 example["batch_num_images"] = torch.tensor([len(pixels["image"])])
+        elif family in GEMMA4:  # [images / frames, patches, 12], their positions, frames per video
+            if pixels["image"]:
+                example |= {"pixel_values": torch.cat(pixels["image"]), "image_position_ids": torch.cat(grids["image"])}
+            if pixels["video"]:
+                example |= {
+                    "pixel_values_videos": torch.cat(pixels["video"]),
+                    "video_position_ids": torch.cat(grids["video"]),
+                    "num_frames_per_video": torch.tensor(example_frames),
+                }
         elif family == "lfm2_vl" and pixels["image"]:  # [images, most patches, 12], a mask of the real ones
             most = max(x.shape[0] for x in pixels["image"])
             mask = torch.stack([torch.arange(most) < x.shape[0] for x in pixels["image"]]).long()
@@ -473,7 +548,7 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
             example |= {"pixel_values": torch.cat(pixels["image"]), "image_grid_thw": torch.cat(grids["image"])}
         if pixels["video"] and family in VIDEO_FRAMES:
             example["pixel_values_videos"] = torch.cat(pixels["video"])
-        elif pixels["video"]:
+        elif pixels["video"] and family not in GEMMA4:
             example |= {"pixel_values_videos": torch.cat(pixels["video"]), "video_grid_thw": torch.cat(grids["video"])}
         out.append(example)
     return out
@@ -494,7 +569,7 @@ def reference(model, examples: list[dict]) -> tuple[float, dict[str, torch.Tenso
     for ex in examples:
         ids = ex["input_ids"][None]
         media = {k: v for k, v in ex.items() if k not in ("input_ids", "mm_token_type_ids", "token_type_ids")}
-        if hasattr(model.model, "get_rope_index"):  # its own mrope positions need the token types
+        if hasattr(model.model, "get_rope_index") or type(model.model).__name__ == "Gemma4Model":  # mrope / its mask
             media["mm_token_type_ids"] = ex["mm_token_type_ids"][None]
         if "token_type_ids" in ex:  # Gemma3: each image's tokens see each other
             media["token_type_ids"] = ex["token_type_ids"][None]
@@ -614,12 +689,16 @@ def run_matrix(cases: list[Case], sp_size: int) -> dict[str, dict]:
 
 
 def run_matrix_without(cases: list[Case], sp_size: int) -> dict[str, dict]:
-    """``run_matrix`` twice, negative controls: Gemma3's images without their pairs ``p < j`` (causal), then without
-    those in a later key chunk (the blocks a causal ring skips)."""
+    """``run_matrix`` again, negative controls: the images without their pairs ``p < j`` (causal), then without
+    those in a later key chunk (the blocks a causal ring skips); Gemma4's with the pairs on its full-attention layers
+    too (every layer, as Gemma3)."""
+    import dataclasses
+
     import hf_sp_trainer.attention.ring as ring
+    import hf_sp_trainer.attention.ulysses as ulysses
     import hf_sp_trainer.attention.zigzag as zigzag
 
-    original = zigzag._image_tasks
+    original, mark = zigzag._image_tasks, ulysses.mark_image_block_layers
     out = {}
     try:
         zigzag._image_tasks = lambda *args: []
@@ -630,8 +709,16 @@ def run_matrix_without(cases: list[Case], sp_size: int) -> dict[str, dict]:
         for case in cases:
             if case.ring:
                 out[f"{case.name}_next_chunk_skipped"] = run_case(case, sp_size)
-    finally:
         zigzag._image_tasks = original
+        ring._cached_plan.cache_clear()
+        ulysses.mark_image_block_layers = lambda decoder, rule: mark(
+            decoder, dataclasses.replace(rule, sliding_only=False)
+        )
+        for case in cases:
+            if case.family in GEMMA4:
+                out[f"{case.name}_every_layer"] = run_case(case, sp_size)
+    finally:
+        zigzag._image_tasks, ulysses.mark_image_block_layers = original, mark
         ring._cached_plan.cache_clear()
     return out
 
@@ -659,7 +746,7 @@ def pad_rows(features: list[dict]) -> dict[str, torch.Tensor]:
     for key in MEDIA_KEYS:
         values = [f[key] for f in features if f.get(key) is not None]
         if values:
-            batch[key] = concat_media(values)  # zero-padded where shapes differ, as the processors pad
+            batch[key] = concat_media(values, key)  # padded where shapes differ, as the processors pad
     return batch
 
 

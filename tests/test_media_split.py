@@ -27,8 +27,9 @@ def test_balanced_groups_need_a_medium_per_rank() -> None:
 
 def test_media_layouts() -> None:
     """Qwen-VL: a medium's patch rows from its grid, ``/ merge**2`` features (a video: one unit per frame); LLaVA: one
-    pixel tensor and a fixed number of features per image (its "mixed" video is an image); LLaVA-Next's
-    any-resolution tiles and Idefics3's images per example are refused by name."""
+    pixel tensor and a fixed number of features per image (its "mixed" video is an image); Gemma4: a row of padded
+    patches per image / frame, its real patches / k**2 features; LLaVA-Next's any-resolution tiles and Idefics3's
+    images per example are refused by name."""
     from hf_sp_trainer import SPMultimodalCollator
     from hf_sp_trainer.multimodal.parts import token_ids, vlm_base
 
@@ -36,6 +37,8 @@ def test_media_layouts() -> None:
         ("qwen2_vl", "image"): ([16, 24], [4, 6], [0, 1], [1, 1]),
         ("qwen2_vl", "video"): ([16, 16], [4, 4], [0, 0], [1, 1]),  # t = 2: two frames of one video
         ("llava", "image"): ([1, 1, 1], [16, 16, 16], [0, 1, 2], [1, 1, 1]),
+        ("gemma4", "image"): ([1, 1], [4, 6], [0, 1], [1, 1]),  # real patches / 2**2 per patch row
+        ("gemma4", "video"): ([1, 1], [4, 4], [0, 0], [1, 1]),  # a patch row per frame
     }
     for (family, modality), (pixels, features, medium, frames) in expected.items():
         model = build_vlm(family)
@@ -67,18 +70,21 @@ def test_a_video_split_by_frame_gets_a_grid_row_per_part() -> None:
     assert got["second_per_grid_ts"].tolist() == [0.5, 1.0]
     whole = MediaLayout([32, 48], [8, 12], [0, 1], [4, 3])  # a medium per unit: the grid rows as they were
     assert _group_inputs(kwargs, "video", whole, 1, 2)["video_grid_thw"].tolist() == [[3, 4, 4]]
+    gemma4 = {"num_frames_per_video": torch.tensor([4, 3])}  # Gemma4: the group's frames of each video
+    assert _group_inputs(gemma4, "video", layout, 1, 5)["num_frames_per_video"].tolist() == [3, 1]
 
 
 def test_split_layouts_are_the_proven_ones() -> None:
     """Every video encoder split by frame has a "one_video" split case in the sp-2 matrix, every per-image layout a
     split case on images, and only those."""
-    from hf_sp_trainer.multimodal.media_split import FRAME_BASES, PER_IMAGE_BASES
+    from hf_sp_trainer.multimodal.media_split import FRAME_BASES, PER_IMAGE_BASES, POSITION_BASES
     from tests.test_multimodal import SP2
 
     def bases(cases) -> set[str]:
         return {type(build_vlm(c.family).model).__name__ for c in cases}
 
     split = [c for c in SP2 if c.split]
-    assert bases(c for c in split if c.layout == "one_video") == FRAME_BASES
-    per_image = {b for b in bases(c for c in split if c.layout in ("mixed", "many")) if b not in FRAME_BASES}
-    assert per_image == PER_IMAGE_BASES, (per_image, PER_IMAGE_BASES)
+    assert bases(c for c in split if c.layout == "one_video") == FRAME_BASES | POSITION_BASES
+    on_images = bases(c for c in split if c.layout in ("mixed", "many"))
+    per_image = on_images - FRAME_BASES - POSITION_BASES
+    assert per_image == PER_IMAGE_BASES and POSITION_BASES <= on_images, (per_image, PER_IMAGE_BASES)

@@ -15,7 +15,7 @@ from tests.harness import run_distributed
 from tests.multimodal_harness import classify_vlms
 
 MODELS_MD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "models.md")
-RING_SAMPLE = ("llama", "qwen3", "gemma3_text", "mistral", "phi3", "olmo2", "qwen3_moe", "doge")
+RING_SAMPLE = ("llama", "qwen3", "gemma3_text", "gemma4_text", "mistral", "phi3", "olmo2", "qwen3_moe", "doge")
 RING_SAMPLE += ("qwen3_5_text", "lfm2", "granitemoehybrid", "zamba2", "minimax")  # hybrids: two zigzag runs per rank
 STATUSES = ("exact", "refused", "out of scope", "can't build", "wrong", "crash")
 FAMILIES = families()

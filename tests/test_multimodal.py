@@ -51,6 +51,12 @@ SP2 = [
     Case("gemma3", "mixed"),  # each image's tokens see the whole image, a window cutting through it
     Case("gemma3", "mixed", ring=2),  # the rest of an image in a later chunk: a block a causal ring skips
     Case("gemma3", "padded", frozen=True),
+    Case("gemma4", "mixed"),  # the same on its sliding layers only (window 5 < an image); per-layer head sizes
+    Case("gemma4", "mixed", ring=2),
+    Case("gemma4", "padded", frozen=True),
+    Case("gemma4", "videos"),  # a video's frames: runs of their own
+    Case("gemma4_causal", "mixed"),  # use_bidirectional_attention=None: causal throughout
+    Case("gemma4_causal", "padded", ring=2),
     Case("aya_vision", "mixed"),
     Case("aya_vision", "padded", ring=2),
     Case("cohere2_vision", "mixed", ring=2),
@@ -81,6 +87,7 @@ SP2 = [
     Case("llava", "many", split=True),
     Case("glm4v", "images", ring=2, split=True),
     Case("gemma3", "many", frozen=True, split=True),
+    Case("gemma4", "many", ring=2, split=True),  # rows of padded patches with their positions (POSITION_BASES)
     # images (InternVL: tiles) of a fixed feature count, each encoded alone (PER_IMAGE_BASES)
     Case("vipllava", "many", split=True),
     Case("internvl", "many", ring=2, split=True),
@@ -99,6 +106,7 @@ SP2 = [
     Case("glm4v_moe", "one_video", split=True),
     Case("glm46v", "one_video", split=True),
     Case("glm_ocr", "one_video", ring=2, split=True),
+    Case("gemma4", "one_video", split=True),
 ]
 SP4 = [
     Case("qwen2_vl", "mixed", ring=2),
@@ -116,6 +124,10 @@ SP4 = [
     Case("gemma3", "mixed"),
     Case("gemma3", "mixed", ring=2),
     Case("gemma3", "padded", ring=4),
+    Case("gemma4", "mixed"),
+    Case("gemma4", "mixed", ring=2),
+    Case("gemma4", "padded", ring=4),
+    Case("gemma4_causal", "mixed", ring=2),
     Case("aya_vision", "padded", ring=2),
     Case("cohere2_vision", "mixed"),
     Case("lighton_ocr", "mixed"),
@@ -142,6 +154,8 @@ SP4 = [
     Case("qwen2_vl", "one_video", split=True),  # a frame per rank
     Case("qwen3_vl", "one_video", ring=2, split=True),
     Case("glm4v", "one_video", split=True),
+    Case("gemma4", "many", split=True),
+    Case("gemma4", "one_video", ring=2, split=True),
 ]
 
 
@@ -177,6 +191,7 @@ def test_layouts_cover_the_hard_places() -> None:
 
     pairs = [("qwen2_vl", "mixed"), ("internvl", "mixed"), ("llava_next", "mixed"), ("mistral3", "mixed")]
     pairs += [("glm4v", "images"), ("gemma3", "mixed"), ("aya_vision", "mixed"), ("lighton_ocr", "mixed")]
+    pairs += [("gemma4", "mixed")]
     for family, layout in [*pairs, ("glm4v", "videos")]:
         row = SPMultimodalCollator(build_vlm(family))(make_examples(LAYOUTS[layout], family))["input_ids"][0]
         half = len(row) // 2 + len(row) % 2
@@ -202,6 +217,7 @@ TRAINER_CASES = {
     "qwen3_vl_sp4_ring2_ga2": ("qwen3_vl", 4, 4, 2, False, False, False),
     "qwen2_vl_dp2_sp2_split_media": ("qwen2_vl", 4, 2, None, False, True, False),  # phase 2 under data parallelism
     "gemma3_sp2_ring2_ga2": ("gemma3", 2, 2, 2, False, False, False),  # image tokens see their whole image, a ring
+    "gemma4_sp2_ring2_ga2": ("gemma4", 2, 2, 2, False, False, False),  # the same on its sliding layers only
     "smolvlm_sp2_ga2": ("smolvlm", 2, 2, None, False, False, False),  # 1-D positions, the decoder at text_model
     # the MoE decoder's load-balancing loss in the loss (coefficient 0.5): one product of averages over the batch
     "qwen3_vl_moe_router_loss_sp2_ga2": ("qwen3_vl_moe", 2, 2, None, False, False, True),
@@ -270,6 +286,15 @@ def _bad_inputs() -> dict[str, str]:
             out["shared_token"] = "no error"
         except ValueError as exc:
             out["shared_token"] = str(exc)
+    gemma4 = build_vlm("gemma4")  # audio is merged inside Gemma4's forward: refused before any collective
+    with apply_sequence_parallel(gemma4, 2) as sp:
+        shard = sp.shard_batch(SPMultimodalCollator(gemma4)(make_examples(LAYOUTS["mixed"], "gemma4")))
+        shard.pop("labels"), shard.pop("shift_labels")
+        try:
+            gemma4(**shard, input_features=torch.zeros(1, 8, 16), input_features_mask=torch.ones(1, 8).bool())
+            out["audio"] = "no error"
+        except ValueError as exc:
+            out["audio"] = str(exc)
     return out
 
 
@@ -280,6 +305,7 @@ def test_bad_multimodal_inputs_raise_on_every_rank() -> None:
         assert "[4, batch, seq]" in rank["no_text_row"], rank["no_text_row"]
         assert "multimodal" in rank["1d_positions"] and "per document" in rank["1d_positions"], rank["1d_positions"]
         assert "same token (id 120)" in rank["shared_token"], rank["shared_token"]
+        assert "got audio (input_features)" in rank["audio"] and "sp_size=1" in rank["audio"], rank["audio"]
 
 
 def test_collator_checks_placeholders_against_grids() -> None:
@@ -290,6 +316,11 @@ def test_collator_checks_placeholders_against_grids() -> None:
     example["input_ids"] = torch.cat([example["input_ids"], torch.tensor([IMG])])
     with pytest.raises(ValueError, match="5 image placeholder tokens but its image_grid_thw"):
         SPMultimodalCollator(model)([example])
+    gemma4 = build_vlm("gemma4")  # Gemma4: its patch positions (real patches / 2**2 features per image)
+    example = make_examples(LAYOUTS["mixed"][:1], "gemma4")[0]
+    example["image_position_ids"][0, 15] = -1  # one real patch fewer: 15 // 4 = 3 features
+    with pytest.raises(ValueError, match=r"4 image placeholder tokens but its image_position_ids with \[15\] real"):
+        SPMultimodalCollator(gemma4)([example])
 
 
 def test_collator_pads_llava_next_tiles_across_examples() -> None:
@@ -443,15 +474,18 @@ def test_gemma3_checks_its_block_kernels() -> None:
         validate_model_for_sp(model, 2)
 
 
-def test_gemma3_image_blocks_are_needed() -> None:
-    """Negative controls: the same Gemma3 cases with the images' pairs ``p < j`` left out (causal) are far from the
-    single-device result, as is the ring case with only those in a later key chunk left out (the blocks a causal
-    ring skips)."""
+def test_image_blocks_are_needed() -> None:
+    """Negative controls: the same Gemma3 / Gemma4 cases with the images' pairs ``p < j`` left out (causal) are far
+    from the single-device result, as is the ring case with only those in a later key chunk left out (the blocks a
+    causal ring skips), and Gemma4 with the pairs on its full-attention layers too."""
     from tests.multimodal_harness import run_matrix_without
 
-    cases = [Case("gemma3", "mixed"), Case("gemma3", "mixed", ring=2)]
+    cases = [Case("gemma3", "mixed"), Case("gemma3", "mixed", ring=2), Case("gemma4", "mixed", ring=2)]
     got = unwrap_results(run_distributed(2, run_matrix_without, cases, 2))[0]
-    assert set(got) == {"gemma3_mixed_causal", "gemma3_mixed_ring2_causal", "gemma3_mixed_ring2_next_chunk_skipped"}
+    expected = {"gemma3_mixed_causal", "gemma3_mixed_ring2_causal", "gemma3_mixed_ring2_next_chunk_skipped"}
+    expected |= {"gemma4_mixed_ring2_causal", "gemma4_mixed_ring2_next_chunk_skipped", "gemma4_mixed_ring2_every_layer"}
+    assert set(got) == expected, set(got)
+    print({k: f"{v['error']:.2e}" for k, v in got.items()})
     assert min(r["error"] for r in got.values()) > 1e-2, got
 
 

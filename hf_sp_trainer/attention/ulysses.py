@@ -24,6 +24,7 @@ from ..mixers.detect import check_sequence_mixers, uses_attention_registry
 from ..multimodal.parts import (
     check_multimodal,
     encoder_config_keys,
+    image_block_rule,
     is_multimodal,
     text_decoder,
     uses_image_blocks,
@@ -32,7 +33,7 @@ from ..sharding import SequenceSharding, check_sp_padding
 from ..topology import SPTopology, split_sp_size
 from .all_to_all import all_gather_along, all_to_all
 from .block_attention import check_kernel
-from .image_blocks import IMAGE_BLOCKS_KWARG
+from .image_blocks import IMAGE_BLOCKS_KWARG, IMAGE_BLOCKS_MARK, mark_image_block_layers
 from .kernels import is_varlen_kernel, resolve_kernel, run_kernel
 from .layout import DocumentLayout
 from .ring import autocast_like_sdpa, document_bounds, ring_attention
@@ -195,7 +196,9 @@ class UlyssesAttention:
         bounds = kwargs.pop(BOUNDS_KWARG, None)  # the whole sequence's documents, from the decoder pre-hook
         if bounds is None or self.layout is None:
             raise RuntimeError("SP attention was called outside a forward of the model it was attached to.")
-        blocks = kwargs.pop(IMAGE_BLOCKS_KWARG, None)  # Gemma3's images, from the media pre-hook
+        blocks = kwargs.pop(IMAGE_BLOCKS_KWARG, None)  # Gemma3's / Gemma4's images, from the media pre-hook
+        if not getattr(module, IMAGE_BLOCKS_MARK, False):  # Gemma4's full-attention layers: causal throughout
+            blocks = None
         topo = self.topology
         group = topo.ulysses_group
         check_no_per_token_kwargs(module, query.shape[2], kwargs)
@@ -262,6 +265,7 @@ class UlyssesAttention:
         decoder = _decoder(model)
         for m in text_decoder(model).modules():
             setattr(m, DECODER_MARK, True)
+        mark_image_block_layers(text_decoder(model), image_block_rule(model))
         if decoder in _HOOKS:  # attached before (e.g. a second trainer on the same model): replace the old hook
             _HOOKS[decoder].remove()
         _HOOKS[decoder] = decoder.register_forward_pre_hook(self._before_forward, with_kwargs=True)

@@ -13,6 +13,7 @@ from ..sharding import IGNORE_INDEX, MEDIA_KEYS
 
 TOKEN_KEYS = ("input_ids", "labels", "mm_token_type_ids")
 MODALITY_TYPE = {"image": 1, "video": 2}  # mm_token_type_ids: text 0, image 1, video 2
+PADDING_POSITION = -1  # Gemma4's image / video_position_ids at padding patches
 
 
 class SPMultimodalCollator:
@@ -37,6 +38,7 @@ class SPMultimodalCollator:
         self._mrope = uses_mrope(model)
         vision = getattr(model.config, "vision_config", None)
         self._merge = getattr(vision, "spatial_merge_size", None)
+        self._pooling = getattr(vision, "pooling_kernel_size", None)  # Gemma4: patches pooled k x k per feature
         forward = inspect.signature(type(base).forward).parameters
         takes_plain = "token_type_ids" in forward and "mm_token_type_ids" not in forward
         self._types_key = "token_type_ids" if takes_plain else "mm_token_type_ids"  # Gemma3: its image mask's
@@ -51,7 +53,7 @@ class SPMultimodalCollator:
         for key in MEDIA_KEYS:
             values = [d[key] for d in docs if d.get(key) is not None]
             if values:
-                batch[key] = concat_media(values)
+                batch[key] = concat_media(values, key)
         batch[self._types_key] = batch.pop("mm_token_type_ids")
         return batch
 
@@ -82,17 +84,24 @@ class SPMultimodalCollator:
         return types
 
     def _check_grids(self, doc: dict[str, Any]) -> None:
-        """Each document's placeholders match its grids (``t * h * w / merge**2`` tokens per image / video)."""
-        if not self._merge:
-            return
+        """Each document's placeholders match its grids (``t * h * w / merge**2`` tokens per image / video) or its
+        patch positions (Gemma4: ``patches / k**2`` per image / frame, padding patches at -1)."""
         for modality in self.token_ids:
-            grid = doc.get(f"{modality}_grid_thw")
+            grid, positions = doc.get(f"{modality}_grid_thw"), doc.get(f"{modality}_position_ids")
+            if self._merge:
+                name, shown = f"{modality}_grid_thw", [] if grid is None else grid.tolist()
+                rows = 0 if grid is None else int((grid.prod(-1) // self._merge**2).sum())
+            elif self._pooling:
+                real = [] if positions is None else (positions != PADDING_POSITION).all(-1).sum(-1).tolist()
+                name, shown = f"{modality}_position_ids", f"with {real} real patches"
+                rows = sum(n // self._pooling**2 for n in real)
+            else:
+                continue
             placeholders = int((doc["mm_token_type_ids"] == MODALITY_TYPE[modality]).sum())
-            rows = 0 if grid is None else int((grid.prod(-1) // self._merge**2).sum())
             if placeholders != rows:
                 raise ValueError(
-                    f"An example has {placeholders} {modality} placeholder tokens but its {modality}_grid_thw "
-                    f"{[] if grid is None else grid.tolist()} gives {rows} feature rows; build it with the processor."
+                    f"An example has {placeholders} {modality} placeholder tokens but its {name} {shown} gives "
+                    f"{rows} feature rows; build it with the processor."
                 )
 
     def _positions(self, doc: dict[str, Any]) -> torch.Tensor:
@@ -122,14 +131,18 @@ def _check_image_counts(docs: list[dict[str, Any]]) -> None:
             )
 
 
-def concat_media(values: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate per-example media tensors along the first dim; where their other dims differ (LLaVA-Next's
-    ``[images, tiles, 3, h, w]`` with a different tile count per example), zero-pad them first, as the processor pads
-    a batch (the model reads the real extent from ``image_sizes``)."""
+def concat_media(values: list[torch.Tensor], key: str = "") -> torch.Tensor:
+    """Concatenate per-example media tensors (of input ``key``) along the first dim; where their other dims differ
+    (LLaVA-Next's ``[images, tiles, 3, h, w]`` with a different tile count per example), pad them first, as the
+    processor pads a batch: zeros (the model reads the real extent from ``image_sizes``), or -1 for Gemma4's patch
+    positions (its padding patches)."""
+    pad = PADDING_POSITION if key.endswith("_position_ids") else 0
     if len({v.shape[1:] for v in values}) > 1:
         most = [max(v.shape[d] for v in values) for d in range(1, values[0].ndim)]
         values = [
-            torch.nn.functional.pad(v, [x for d in reversed(range(1, v.ndim)) for x in (0, most[d - 1] - v.shape[d])])
+            torch.nn.functional.pad(
+                v, [x for d in reversed(range(1, v.ndim)) for x in (0, most[d - 1] - v.shape[d])], value=pad
+            )
             for v in values
         ]
     return torch.cat(values)

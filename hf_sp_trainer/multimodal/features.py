@@ -23,12 +23,13 @@ from ..sharding import SequenceSharding
 from ..topology import SPTopology
 from .media_split import encode_split
 from .parts import (
+    IMAGE_BLOCK_MODELS,
     PIXELS,
     feature_rows,
+    image_block_rule,
     shared_placeholder,
     text_decoder,
     token_ids,
-    uses_image_blocks,
     uses_mrope,
     vlm_base,
 )
@@ -47,7 +48,8 @@ class MediaFeatures:
         self.exchanged = 0  # media kinds split over the ranks in the last forward (phase 2)
         self.token_ids = token_ids(model)
         self.mrope = uses_mrope(model)
-        self.image_blocks = uses_image_blocks(model)  # Gemma3: each image's tokens see each other
+        self.image_blocks = image_block_rule(model)  # Gemma3 / Gemma4: each image's tokens see each other
+        self.mask_per_layer_type = type(vlm_base(model)).__name__ in IMAGE_BLOCK_MODELS  # its masks: not from a shard
         self.name = type(model).__name__
         base = vlm_base(model)
         decoder = {id(p) for p in text_decoder(model).parameters()}
@@ -63,11 +65,18 @@ class MediaFeatures:
             kwargs, args = {**dict(zip(names, args, strict=True)), **kwargs}, ()
         media = [m for m in self.token_ids if kwargs.get(PIXELS[m]) is not None]
         check_positions(self.name, kwargs.get("position_ids"), self.mrope, bool(media))
-        if self.image_blocks and kwargs.get("token_type_ids") is not None:  # the images of the whole rows
-            types = kwargs["token_type_ids"]
+        if kwargs.get("input_features") is not None:
+            raise ValueError(
+                f"{self.name} under SP got audio (input_features): its audio features are merged inside its forward, "
+                "which takes no precomputed audio rows, so SP can't give each rank its own audio tokens' features. "
+                "Train on audio with sp_size=1."
+            )
+        rule = self.image_blocks
+        if rule is not None and kwargs.get(rule.types_key) is not None:  # the images of the whole rows
+            types = kwargs[rule.types_key]
             full_types = self.sharding.unshard(all_gather_along(types, 1, self.topology.sp_group), 1)
-            kwargs[IMAGE_BLOCKS_KWARG] = image_blocks(full_types)
-        if self.image_blocks and not isinstance(kwargs.get("attention_mask"), dict):  # not built from the shard
+            kwargs[IMAGE_BLOCKS_KWARG] = image_blocks(full_types, rule.media_types)
+        if self.mask_per_layer_type and not isinstance(kwargs.get("attention_mask"), dict):  # not from the shard
             kwargs["attention_mask"] = dict.fromkeys(
                 ("full_attention", "sliding_attention"), kwargs.get("attention_mask")
             )

@@ -9,10 +9,11 @@ The tower's activations and its backward are then ``~1/sp`` per rank; the exchan
 text hidden), small next to the tower's per-patch activations.
 
 Layouts split: flat patch rows with a ``{image,video}_grid_thw`` row per medium (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-Qwen3.5, GLM-4V: ``t * h * w`` patches, ``/ merge**2`` features each) and one pixel tensor per image with a fixed
-number of features (``PER_IMAGE_BASES``: LLaVA, Gemma3, InternVL's tiles, ...). Others are refused with a clear
-error. The unit of the split is a medium, or for the videos of encoders that attend within each frame
-(``FRAME_BASES``: attention segments of ``h * w`` patches per temporal row, positions from ``(h, w)`` alone) a
+Qwen3.5, GLM-4V: ``t * h * w`` patches, ``/ merge**2`` features each), one pixel tensor per image with a fixed
+number of features (``PER_IMAGE_BASES``: LLaVA, Gemma3, InternVL's tiles, ...) and Gemma4's rows of padded patches
+with their positions (``POSITION_BASES``: an image or a video frame each). Others are refused with a clear error.
+The unit of the split is a medium, or for the videos of encoders that attend within each frame (``FRAME_BASES``:
+attention segments of ``h * w`` patches per temporal row, positions from ``(h, w)`` alone; Gemma4's frames) a
 temporal row of a video: one long video is then split over the ranks too, each rank encoding its frames under a grid
 row of its own.
 """
@@ -35,6 +36,10 @@ PER_IMAGE_BASES = frozenset(
     }
 )
 PER_MEDIUM = {"image": ("image_grid_thw",), "video": ("video_grid_thw", "second_per_grid_ts")}
+# Gemma4: one pixel row (an image, a video frame) of padded patches per position row, each encoded alone, pooled
+# k x k: ``real patches / k**2`` features each; a video's frames are units of their own (``num_frames_per_video``)
+POSITION_BASES = frozenset({"Gemma4Model"})
+PER_PIXEL_ROW = {"image": "image_position_ids", "video": "video_position_ids"}
 # Video encoders whose frames (temporal rows of the grid) are encoded independently: attention within each frame
 # (transformers' per-frame cu_seqlens), rotary / learned positions from (h, w) repeated over t. Proven by the
 # "one_video" split cases of tests/test_multimodal.py.
@@ -89,13 +94,21 @@ def media_layout(base: torch.nn.Module, modality: str, kwargs: dict, placeholder
             for frames in [1] * t if by_frame else [t]:
                 units.append((frames * h * w, frames * h * w // (merge * merge), medium, frames))
         return MediaLayout(*(list(x) for x in zip(*units, strict=True)))
+    positions = kwargs.get(PER_PIXEL_ROW[modality])
+    if name in POSITION_BASES and positions is not None:
+        k = base.config.vision_config.pooling_kernel_size
+        features = ((positions != -1).all(-1).sum(-1) // k**2).tolist()
+        frames = kwargs.get("num_frames_per_video") if modality == "video" else None
+        medium = list(range(len(features))) if frames is None else torch.repeat_interleave(frames.cpu()).tolist()
+        return MediaLayout([1] * len(features), features, medium, [1] * len(features))
     if name in PER_IMAGE_BASES and pixels.ndim == 4 and placeholders % pixels.shape[0] == 0:
         n = pixels.shape[0]
         return MediaLayout([1] * n, [placeholders // n] * n, list(range(n)), [1] * n)
     raise ValueError(
         f"split_media: {name}'s {modality} inputs (pixel values {tuple(pixels.shape)}) have no layout SP can split "
         "over its ranks (splittable: flat patches with a grid_thw row per medium, as Qwen-VL and GLM-4V, or one "
-        f"fixed-size image per pixel tensor, as {', '.join(sorted(PER_IMAGE_BASES))}). Use split_media=False."
+        f"fixed-size image per pixel tensor, as {', '.join(sorted(PER_IMAGE_BASES))}, or Gemma4's patch rows). "
+        "Use split_media=False."
     )
 
 
@@ -109,10 +122,13 @@ def _group_inputs(kwargs: dict, modality: str, layout: MediaLayout, lo: int, hi:
         value = kwargs.get(name)
         if value is not None:
             out[name] = value[ids.to(value.device)]
+    frames = torch.zeros(len(ids), dtype=torch.long).index_add(0, inverse, torch.tensor(layout.frames[lo:hi]))
     grid = out.get(f"{modality}_grid_thw")
     if grid is not None:
-        frames = torch.zeros(len(ids), dtype=grid.dtype).index_add(0, inverse, torch.tensor(layout.frames[lo:hi]))
-        out[f"{modality}_grid_thw"] = torch.cat([frames.to(grid.device)[:, None], grid[:, 1:]], dim=1)
+        out[f"{modality}_grid_thw"] = torch.cat([frames.to(grid)[:, None], grid[:, 1:]], dim=1)
+    counts = kwargs.get("num_frames_per_video") if modality == "video" else None
+    if counts is not None:  # Gemma4: the group's frames of each of its videos
+        out["num_frames_per_video"] = frames.to(counts)
     return out
 
 
@@ -132,7 +148,9 @@ def encode_split(encode, base, modality: str, kwargs: dict, placeholders: int, g
     for rows in layout.pixel_rows:
         starts.append(starts[-1] + rows)
     mine = dict(kwargs) | _group_inputs(kwargs, modality, layout, lo, hi)
-    mine[key] = kwargs[key][starts[lo] : starts[hi]]
+    for name in (key, PER_PIXEL_ROW[modality]):  # the group's pixel rows (Gemma4: and their patch positions)
+        if kwargs.get(name) is not None:
+            mine[name] = kwargs[name][starts[lo] : starts[hi]]
     encoded = encode(base, modality, mine)
     levels = [feature_rows(encoded.pooler_output)]
     levels += [feature_rows(level) for level in getattr(encoded, "deepstack_features", None) or []]

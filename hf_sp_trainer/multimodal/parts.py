@@ -14,6 +14,8 @@ import inspect
 import torch
 from transformers import PreTrainedModel
 
+from ..attention.image_blocks import ImageBlockRule
+
 PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}  # each modality's pixel input of the base model
 
 
@@ -27,8 +29,13 @@ ENCODER_CONFIG_HINTS = ("vision", "audio", "image", "video", "speech", "vq")
 # The VLM base models whose SP runs are proven exact by tests/test_multimodal.py (each has cases there; a test keeps
 # the two in step). Any other VLM is refused: the generic path may well hold for it, but unproven it could be
 # silently wrong (a merge that is not one feature row per placeholder, positions computed in the forward, ...).
-# Bidirectional within each image (``token_type_ids`` runs; ``attention/image_blocks.py``), Ulysses and ring.
-IMAGE_BLOCK_MODELS = frozenset({"Gemma3Model"})
+# Image tokens that see their whole image (``attention/image_blocks.py``), Ulysses and ring: Gemma3 on every layer;
+# Gemma4 on its sliding layers, where its text config asks for it (``use_bidirectional_attention="vision"``).
+IMAGE_BLOCK_MODELS = {
+    "Gemma3Model": ImageBlockRule("token_type_ids", (1,)),
+    "Gemma4Model": ImageBlockRule("mm_token_type_ids", (1, 2), sliding_only=True),
+}
+IMAGE_BLOCKS_WHEN = {"Gemma4Model": ("use_bidirectional_attention", "vision")}  # else causal throughout
 VERIFIED = frozenset(
     {
         *("Qwen2VLModel", "Qwen2_5_VLModel", "Qwen3VLModel", "Qwen3VLMoeModel", "Qwen3_5Model", "Qwen3_5MoeModel"),
@@ -38,7 +45,7 @@ VERIFIED = frozenset(
         *("AyaVisionModel", "Cohere2VisionModel", "LightOnOcrModel", "Idefics3Model", "SmolVLMModel"),
         *("Idefics2Model", "GotOcr2Model", "LlavaOnevisionModel"),
         *("VipLlavaModel", "VideoLlavaModel", "LlavaNextVideoModel", "QianfanOCRModel"),
-        *IMAGE_BLOCK_MODELS,
+        *IMAGE_BLOCK_MODELS,  # Gemma3; Gemma4 (per-layer head sizes, per-layer embeddings, shared kv; no audio)
     }
 )
 
@@ -165,8 +172,11 @@ def check_multimodal(model: PreTrainedModel, sp_size: int) -> None:
             f"SP attention is causal per document and would be silently wrong. {fix}"
         )
     text = model.config.get_text_config()
-    if getattr(text, "use_bidirectional_attention", False):
-        raise ValueError(f"{name}'s text decoder attends bidirectionally (use_bidirectional_attention). {fix}")
+    bidirectional = getattr(text, "use_bidirectional_attention", False)
+    if bidirectional and not (bidirectional == "vision" and image_block_rule(model) is not None):
+        raise ValueError(
+            f"{name}'s text decoder attends bidirectionally (use_bidirectional_attention={bidirectional!r}). {fix}"
+        )
     for field in ("attention_chunk_size", "no_rope_layers"):
         if getattr(text, field, None):
             raise ValueError(
@@ -180,10 +190,21 @@ def check_multimodal(model: PreTrainedModel, sp_size: int) -> None:
         )
 
 
-def uses_image_blocks(model: torch.nn.Module) -> bool:
-    """Image tokens attend bidirectionally within their image (Gemma3): extra pairs of SP's block plan."""
+def image_block_rule(model: torch.nn.Module) -> ImageBlockRule | None:
+    """How image tokens attend bidirectionally within their image (Gemma3, Gemma4 in its "vision" mode): extra pairs
+    of SP's block plan; ``None`` for a causal decoder."""
     base = vlm_base(model)
-    return base is not None and type(base).__name__ in IMAGE_BLOCK_MODELS
+    name = type(base).__name__
+    if base is None or name not in IMAGE_BLOCK_MODELS:
+        return None
+    field, value = IMAGE_BLOCKS_WHEN.get(name, (None, None))
+    if field is not None and getattr(model.config.get_text_config(), field, None) != value:
+        return None
+    return IMAGE_BLOCK_MODELS[name]
+
+
+def uses_image_blocks(model: torch.nn.Module) -> bool:
+    return image_block_rule(model) is not None
 
 
 def _bidirectional_media(base: torch.nn.Module) -> bool:
