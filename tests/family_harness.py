@@ -101,6 +101,8 @@ FAMILY_EXTRA = {
     },
     "xlnet": {"d_head": 16},
     "gemma3n_text": {"num_kv_shared_layers": 4},  # of the shrunk 11 layers (its default, 15, shares them all)
+    "gemma4_text": {"global_head_dim": 32},  # its full-attention layers' head size (per_layer_config; 512)
+    "gemma4_unified_text": {"global_head_dim": 32},
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
                            indexer_compress_ratio=4),  # fmt: skip
 }
@@ -289,7 +291,20 @@ def build_model(model_type: str, class_name: str, seed: int = 0, router_logits: 
             if p.is_floating_point():
                 p.add_(torch.randn_like(p) * 0.02)
     weak_decay(model)
+    unit_scale_temperature(model)
     return model.eval()  # no dropout, no training-time sampling (PhiMoE's sparsemixer): gradients all the same
+
+
+def unit_scale_temperature(model) -> None:
+    """Attention with scale 1 leaves the temperature to its learned q / k norms (Gemma3n, Gemma4); at their unit
+    init the logits of a tiny model are ``sqrt(head_dim)`` wide and so sharp that fp32 round-off alone moves some
+    gradients past the tolerance (fp64 runs agree to 3e-7). Scale those norms to the usual ``1 / sqrt(head_dim)``."""
+    with torch.no_grad():
+        for m in model.modules():
+            if getattr(m, "scaling", None) == 1.0 and hasattr(m, "q_norm") and hasattr(m, "head_dim"):
+                for norm in (m.q_norm, getattr(m, "k_norm", None)):
+                    if getattr(norm, "weight", None) is not None:
+                        norm.weight.mul_(m.head_dim**-0.25)
 
 
 # ----------------------------------------------------------------------------------------------------------------
