@@ -239,6 +239,9 @@ def tiny_model(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     init_large_sinks(model, seed)
     weak_decay(model, seed)
+    from tests.family_harness import unit_scale_temperature
+
+    unit_scale_temperature(model)  # Gemma4: its q / k norms at the usual 1 / sqrt(head_dim) temperature
     return model.float()
 
 

@@ -23,10 +23,7 @@ from tests.harness import (
 
 TOL = 1e-5
 K_EQ_V = dict(attention_k_eq_v=True, num_global_key_value_heads=1)  # full-attention layers: 1 kv head, v = k
-# Gemma4's training amplifies fp32 round-off far more than Llama's (measured: weights perturbed by 1e-6 change the
-# third SGD step's grad norm by 6e-5 at lr 5e-2, Llama's by 1e-7), so its cases take smaller steps (lr 5e-3); the
-# first step, at identical weights, agrees to 3e-7 either way.
-SGD = dict(optim="sgd", family="gemma4", train_overrides={"learning_rate": 5e-3})
+SGD = dict(optim="sgd", family="gemma4")
 WORLD2 = [
     Case("gemma4_shared_kv", **SGD),
     Case("gemma4_k_eq_v_ring2", **SGD, model_overrides=K_EQ_V, sp_overrides={"sp_ring_size": 2}),
@@ -72,7 +69,7 @@ def test_tiny_gemma4_has_the_features_under_test():
     ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(0))
     loss = model(input_ids=ids, labels=ids).loss
     with torch.no_grad():
-        model.model.embed_tokens_per_layer.weight.mul_(2.0)
+        model.model.embed_tokens_per_layer.weight.normal_(0.0, 1.0)
     assert abs(model(input_ids=ids, labels=ids).loss.item() / loss.item() - 1) > 100 * TOL
 
 
