@@ -397,6 +397,7 @@ def qwen_vl_config(family: str = "qwen2_vl", layers: int = 2):
 def build_vlm(family: str = "qwen2_vl", seed: int = 0):
     import transformers
 
+    from tests.family_harness import unit_scale_temperature
     from tests.harness import weak_decay
 
     configs = {"llava": tiny_llava_config, "internvl": internvl_config, "llava_next": llava_next_config}
@@ -416,13 +417,9 @@ def build_vlm(family: str = "qwen2_vl", seed: int = 0):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-        if family in GEMMA4:
-            # its position table starts as ones (every patch alike, attention all ties); its attention has scale 1
-            # and leaves the temperature to the learned q / k norms: scaled here to the usual 1 / sqrt(head_dim)
+        if family in GEMMA4:  # its position table starts as ones: every patch alike, attention all ties
             model.model.vision_tower.patch_embedder.position_embedding_table.normal_()
-            for name, p in model.named_parameters():
-                if name.endswith(("q_norm.weight", "k_norm.weight")):
-                    p.mul_(p.numel() ** -0.25)
+    unit_scale_temperature(model)  # Gemma4's tower and decoder: scale-1 attention, q / k norms at 1 / sqrt(head_dim)
     weak_decay(model)  # hybrids: a state that reaches across the shards
     return model.eval()
 
