@@ -133,6 +133,8 @@ class SequenceParallelMixin:
             )
         topo = self.sp.topology
         shard.num_processes, shard.process_index = topo.dp_size, topo.dp_rank
+        if dataloader.device is not None and dataloader.device.type == "cpu":
+            dataloader.device = None  # already there: no copy of every batch (cpu_backend.already_there)
         if topo.dp_size == 1 and isinstance(shard, BatchSamplerShard):
             # One SP group sees every batch, so the last one needs no completing with repeated samples (which a
             # packed row would mix into its loss): exactly the single-process batches.
@@ -159,6 +161,12 @@ class SequenceParallelMixin:
         if self.sp is not None and torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch / self.sp.topology.sp_size  # each SP rank counted its group's batch
         return batch_samples, num_items_in_batch
+
+    def _prepare_input(self, data: Any) -> Any:
+        if self.sp is not None and torch.is_tensor(data) and cpu_backend.already_there(data, self.args.device):
+            if not (self.is_deepspeed_enabled and data.is_floating_point()):  # DeepSpeed casts float inputs
+                return data
+        return super()._prepare_input(data)
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         inputs = super()._prepare_inputs(inputs)

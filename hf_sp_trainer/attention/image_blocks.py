@@ -46,6 +46,7 @@ def mark_image_block_layers(decoder: torch.nn.Module, rule: ImageBlockRule | Non
         sliding = getattr(m, "layer_type", None) == "sliding_attention"
         setattr(m, IMAGE_BLOCKS_MARK, rule is not None and (sliding or not rule.sliding_only))
 
+
 Image = tuple[int, int, int]  # (row, start, end), global positions of one row
 
 
