@@ -493,6 +493,26 @@ def run_cases(cases: list, probe: Callable | None = None) -> dict[str, dict]:
     return out
 
 
+def sp_runs_by_world(*case_lists: list) -> dict[int, list]:
+    """Every case's SP run, one spawned group per world size (``run_cases`` on each rank)."""
+    by_world: dict[int, list] = {}
+    for case in (c for cases in case_lists for c in cases):
+        by_world.setdefault(case.world_size, []).append(case)
+    return {world: run_distributed(world, run_cases, cases) for world, cases in by_world.items()}
+
+
+def check_sp_case(case, sp_results: dict[int, list], out_dir: str, tol: float, train: Callable | None = None) -> dict:
+    """``case``'s SP run (from ``sp_runs_by_world``) against its single-process run (``train``, default
+    ``train_case``): the optimizer steps, and every reported difference within ``tol``; the differences."""
+    got = unwrap_results(sp_results[case.world_size])[0][case.name]
+    ref = (train or train_case)(case, sp=False, out_dir=out_dir)
+    diffs = compare(ref, got)
+    print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
+    assert got["global_step"] == ref["global_step"] == case.steps
+    assert_within(case.name, diffs, tol)
+    return diffs
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # comparison
 # ----------------------------------------------------------------------------------------------------------------

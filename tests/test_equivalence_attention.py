@@ -5,16 +5,7 @@ import pytest
 import torch
 
 from hf_sp_trainer.attention import validate_model_for_sp
-from tests.harness import (
-    Case,
-    assert_within,
-    compare,
-    run_cases,
-    run_distributed,
-    tiny_model,
-    train_case,
-    unwrap_results,
-)
+from tests.harness import Case, check_sp_case, run_distributed, sp_runs_by_world, tiny_model, unwrap_results
 
 TOL = 1e-5
 RING2 = {"sp_ring_size": 2}
@@ -155,15 +146,10 @@ def test_other_sink_families_forward_match_single_process():
 
 @pytest.fixture(scope="module")
 def sp_results():
-    return {world: run_distributed(world, run_cases, cases) for world, cases in ((2, WORLD2), (4, WORLD4))}
+    return sp_runs_by_world(WORLD2, WORLD4)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)
 def test_sp_matches_single_process(case, sp_results, tmp_path):
-    got = unwrap_results(sp_results[case.world_size])[0][case.name]
-    ref = train_case(case, sp=False, out_dir=str(tmp_path))
-    diffs = compare(ref, got)
-    print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
-    assert got["global_step"] == ref["global_step"] == case.steps
-    assert_within(case.name, diffs, TOL)
+    check_sp_case(case, sp_results, str(tmp_path), TOL)

@@ -6,16 +6,7 @@ document apart, at every sp_size)."""
 import pytest
 import torch
 
-from tests.harness import (
-    Case,
-    assert_within,
-    compare,
-    run_cases,
-    run_distributed,
-    tiny_model,
-    train_case,
-    unwrap_results,
-)
+from tests.harness import Case, check_sp_case, sp_runs_by_world, tiny_model
 from tests.sft_harness import SFTCase, train_sft_case
 
 TOL = 1e-5
@@ -74,19 +65,13 @@ def test_reference_keeps_documents_apart_and_packing_would_not():
 
 @pytest.fixture(scope="module")
 def sp_results():
-    return {world: run_distributed(world, run_cases, cases) for world, cases in ((2, WORLD2), (4, WORLD4))}
+    return sp_runs_by_world(WORLD2, WORLD4)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)
 def test_sp_matches_single_process(case, sp_results, tmp_path):
-    got = unwrap_results(sp_results[case.world_size])[0][case.name]
-    train = train_sft_case if isinstance(case, SFTCase) else train_case
-    ref = train(case, sp=False, out_dir=str(tmp_path))
-    diffs = compare(ref, got)
-    print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
-    assert got["global_step"] == ref["global_step"] == case.steps
-    assert_within(case.name, diffs, TOL)
+    check_sp_case(case, sp_results, str(tmp_path), TOL, train_sft_case if isinstance(case, SFTCase) else None)
 
 
 def _sp1_run(family: str, collator, sp_trainer: bool, out_dir: str) -> dict:

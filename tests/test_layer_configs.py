@@ -10,16 +10,7 @@ from hf_sp_trainer.attention import validate_model_for_sp
 from hf_sp_trainer.layer_configs import AttentionShape, attention_shapes, head_counts
 from hf_sp_trainer.planner import ModelShape
 from hf_sp_trainer.throughput import attention_geometry
-from tests.harness import (
-    Case,
-    assert_within,
-    compare,
-    run_cases,
-    run_distributed,
-    tiny_model,
-    train_case,
-    unwrap_results,
-)
+from tests.harness import Case, check_sp_case, sp_runs_by_world, tiny_model
 
 TOL = 1e-5
 K_EQ_V = dict(attention_k_eq_v=True, num_global_key_value_heads=1)  # full-attention layers: 1 kv head, v = k
@@ -75,15 +66,10 @@ def test_tiny_gemma4_has_the_features_under_test():
 
 @pytest.fixture(scope="module")
 def sp_results():
-    return {world: run_distributed(world, run_cases, cases) for world, cases in ((2, WORLD2), (4, WORLD4))}
+    return sp_runs_by_world(WORLD2, WORLD4)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)
 def test_sp_matches_single_process(case, sp_results, tmp_path):
-    got = unwrap_results(sp_results[case.world_size])[0][case.name]
-    ref = train_case(case, sp=False, out_dir=str(tmp_path))
-    diffs = compare(ref, got)
-    print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
-    assert got["global_step"] == ref["global_step"] == case.steps
-    assert_within(case.name, diffs, TOL)
+    check_sp_case(case, sp_results, str(tmp_path), TOL)
