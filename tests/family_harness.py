@@ -103,8 +103,9 @@ FAMILY_EXTRA = {
     "gemma3n_text": {"num_kv_shared_layers": 4},  # of the shrunk 11 layers (its default, 15, shares them all)
     "gemma4_text": {"global_head_dim": 32},  # its full-attention layers' head size (per_layer_config; 512)
     "gemma4_unified_text": {"global_head_dim": 32},
-    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
-                           indexer_compress_ratio=4),  # fmt: skip
+    "qwen4_exp_text": dict(
+        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4
+    ),  # fmt: skip
 }
 
 # ``None`` in these means "derive it" (not "no such feature"): some families don't, so they are set too.

@@ -8,12 +8,11 @@ from typing import Any
 
 import torch
 
-from ..multimodal.parts import PIXELS, rope_index, shared_placeholder, token_ids, uses_mrope, vlm_base
+from ..multimodal.parts import PADDING_POSITION, PIXELS, rope_index, shared_placeholder, token_ids, uses_mrope, vlm_base
 from ..sharding import IGNORE_INDEX, MEDIA_KEYS
 
 TOKEN_KEYS = ("input_ids", "labels", "mm_token_type_ids")
 MODALITY_TYPE = {"image": 1, "video": 2}  # mm_token_type_ids: text 0, image 1, video 2
-PADDING_POSITION = -1  # Gemma4's image / video_position_ids at padding patches
 
 
 class SPMultimodalCollator:

@@ -108,6 +108,6 @@ def _enable_fsdp(trainer) -> None:
 def already_there(tensor: torch.Tensor, device: torch.device) -> bool:
     """``tensor`` needs no move to ``device``: both on the CPU. accelerate gives a distributed CPU run the device
     ``cpu:0``, and torch copies a CPU tensor on ``.to("cpu:0")`` (its own device is ``cpu``, no index): every batch
-    was copied twice, by the data loader and by the Trainer's input preparation, and both copies lived through the
-    step (a long multimodal row's pixel values three times over at sp > 1, against once at sp 1)."""
+    was copied by the data loader (whose look-ahead kept the original alive) and again by the Trainer's input
+    preparation (a long multimodal row's pixels: three storages at the step's start at sp 2, two at sp 1)."""
     return tensor.device.type == "cpu" and torch.device(device).type == "cpu"

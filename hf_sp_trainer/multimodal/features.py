@@ -49,9 +49,9 @@ class MediaFeatures:
         self.token_ids = token_ids(model)
         self.mrope = uses_mrope(model)
         self.image_blocks = image_block_rule(model)  # Gemma3 / Gemma4: each image's tokens see each other
-        self.mask_per_layer_type = type(vlm_base(model)).__name__ in IMAGE_BLOCK_MODELS  # its masks: not from a shard
         self.name = type(model).__name__
         base = vlm_base(model)
+        self.mask_per_layer_type = type(base).__name__ in IMAGE_BLOCK_MODELS  # its masks: never built from a shard
         decoder = {id(p) for p in text_decoder(model).parameters()}
         self._encoder_params = [p for p in base.parameters() if id(p) not in decoder]
         self._handle = base.register_forward_pre_hook(self._before_forward, with_kwargs=True)

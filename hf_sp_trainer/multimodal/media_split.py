@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..mixers.gather import all_gather_stack
-from .parts import PIXELS, feature_rows
+from .parts import PADDING_POSITION, PIXELS, feature_rows
 
 # pixel_values [images (InternVL: tiles), C, H, W], a fixed number of features per image, each encoded alone
 PER_IMAGE_BASES = frozenset(
@@ -97,7 +97,7 @@ def media_layout(base: torch.nn.Module, modality: str, kwargs: dict, placeholder
     positions = kwargs.get(PER_PIXEL_ROW[modality])
     if name in POSITION_BASES and positions is not None:
         k = base.config.vision_config.pooling_kernel_size
-        features = ((positions != -1).all(-1).sum(-1) // k**2).tolist()
+        features = ((positions != PADDING_POSITION).all(-1).sum(-1) // k**2).tolist()
         frames = kwargs.get("num_frames_per_video") if modality == "video" else None
         medium = list(range(len(features))) if frames is None else torch.repeat_interleave(frames.cpu()).tolist()
         return MediaLayout([1] * len(features), features, medium, [1] * len(features))
