@@ -28,8 +28,9 @@ def test_balanced_groups_need_a_medium_per_rank() -> None:
 def test_media_layouts() -> None:
     """Qwen-VL: a medium's patch rows from its grid, ``/ merge**2`` features (a video: one unit per frame); LLaVA: one
     pixel tensor and a fixed number of features per image (its "mixed" video is an image); Gemma4: a row of padded
-    patches per image / frame, its real patches / k**2 features; LLaVA-Next's any-resolution tiles and Idefics3's
-    images per example are refused by name."""
+    patches per image / frame, its real patches / k**2 features; LLaVA-Next: an image's tiles, balanced by their
+    count, the feature rows counted once encoded; LLaVA-OneVision's (tiles only in single-image examples) and
+    Idefics3's images per example are refused by name."""
     from hf_sp_trainer import SPMultimodalCollator
     from hf_sp_trainer.multimodal.parts import token_ids, vlm_base
 
@@ -39,6 +40,7 @@ def test_media_layouts() -> None:
         ("llava", "image"): ([1, 1, 1], [16, 16, 16], [0, 1, 2], [1, 1, 1]),
         ("gemma4", "image"): ([1, 1], [4, 6], [0, 1], [1, 1]),  # real patches / 2**2 per patch row
         ("gemma4", "video"): ([1, 1], [4, 4], [0, 0], [1, 1]),  # a patch row per frame
+        ("llava_next", "image"): ([1, 1, 1], None, [0, 1, 2], [1, 1, 1]),  # rows counted once encoded
     }
     for (family, modality), (pixels, features, medium, frames) in expected.items():
         model = build_vlm(family)
@@ -46,8 +48,9 @@ def test_media_layouts() -> None:
         count = int((batch["input_ids"] == token_ids(model)[modality]).sum())
         got = media_layout(vlm_base(model), modality, batch, count)
         assert (got.pixel_rows, got.features, got.medium, got.frames) == (pixels, features, medium, frames), got
-        assert sum(got.features) == count
-    for family in ("llava_next", "idefics3"):
+        assert got.features is None or sum(got.features) == count
+    assert got.cost == [5, 5, 5], got.cost  # LLaVA-Next: its base view and 2 x 2 tiles of 8 x 8 per image
+    for family in ("llava_onevision", "idefics3"):
         model = build_vlm(family)
         batch = SPMultimodalCollator(model)(make_examples(LAYOUTS["mixed"], family))
         count = int((batch["input_ids"] == token_ids(model)["image"]).sum())
@@ -77,7 +80,7 @@ def test_a_video_split_by_frame_gets_a_grid_row_per_part() -> None:
 def test_split_layouts_are_the_proven_ones() -> None:
     """Every video encoder split by frame has a "one_video" split case in the sp-2 matrix, every per-image layout a
     split case on images, and only those."""
-    from hf_sp_trainer.multimodal.media_split import FRAME_BASES, PER_IMAGE_BASES, POSITION_BASES
+    from hf_sp_trainer.multimodal.media_split import FRAME_BASES, PER_IMAGE_BASES, POSITION_BASES, TILE_BASES
     from tests.test_multimodal import SP2
 
     def bases(cases) -> set[str]:
@@ -85,6 +88,6 @@ def test_split_layouts_are_the_proven_ones() -> None:
 
     split = [c for c in SP2 if c.split]
     assert bases(c for c in split if c.layout == "one_video") == FRAME_BASES | POSITION_BASES
-    on_images = bases(c for c in split if c.layout in ("mixed", "many"))
-    per_image = on_images - FRAME_BASES - POSITION_BASES
-    assert per_image == PER_IMAGE_BASES and POSITION_BASES <= on_images, (per_image, PER_IMAGE_BASES)
+    on_images = bases(c for c in split if c.layout in ("mixed", "many", "images"))
+    per_image = on_images - FRAME_BASES - POSITION_BASES - TILE_BASES
+    assert per_image == PER_IMAGE_BASES and POSITION_BASES | TILE_BASES <= on_images, (per_image, PER_IMAGE_BASES)

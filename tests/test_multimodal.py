@@ -88,6 +88,8 @@ SP2 = [
     Case("glm4v", "images", ring=2, split=True),
     Case("gemma3", "many", frozen=True, split=True),
     Case("gemma4", "many", ring=2, split=True),  # rows of padded patches with their positions (POSITION_BASES)
+    Case("llava_next", "many", split=True),  # tiled images, their feature rows counted once encoded (TILE_BASES)
+    Case("llava_next_video", "images", ring=2, split=True),
     # images (InternVL: tiles) of a fixed feature count, each encoded alone (PER_IMAGE_BASES)
     Case("vipllava", "many", split=True),
     Case("internvl", "many", ring=2, split=True),
@@ -156,6 +158,7 @@ SP4 = [
     Case("glm4v", "one_video", split=True),
     Case("gemma4", "many", split=True),
     Case("gemma4", "one_video", ring=2, split=True),
+    Case("llava_next", "many", ring=2, split=True),
 ]
 
 

@@ -10,8 +10,10 @@ text hidden), small next to the tower's per-patch activations.
 
 Layouts split: flat patch rows with a ``{image,video}_grid_thw`` row per medium (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
 Qwen3.5, GLM-4V: ``t * h * w`` patches, ``/ merge**2`` features each), one pixel tensor per image with a fixed
-number of features (``PER_IMAGE_BASES``: LLaVA, Gemma3, InternVL's tiles, ...) and Gemma4's rows of padded patches
-with their positions (``POSITION_BASES``: an image or a video frame each). Others are refused with a clear error.
+number of features (``PER_IMAGE_BASES``: LLaVA, Gemma3, InternVL's tiles, ...), Gemma4's rows of padded patches
+with their positions (``POSITION_BASES``: an image or a video frame each) and LLaVA-Next's tiled images
+(``TILE_BASES``: balanced by tiles, each image's feature rows counted once encoded, one small all-reduce). Others
+are refused with a clear error.
 The unit of the split is a medium, or for the videos of encoders that attend within each frame (``FRAME_BASES``:
 attention segments of ``h * w`` patches per temporal row, positions from ``(h, w)`` alone; Gemma4's frames) a
 temporal row of a video: one long video is then split over the ranks too, each rank encoding its frames under a grid
@@ -35,7 +37,10 @@ PER_IMAGE_BASES = frozenset(
         *("AyaVisionModel", "Cohere2VisionModel", "GotOcr2Model"),
     }
 )
-PER_MEDIUM = {"image": ("image_grid_thw",), "video": ("video_grid_thw", "second_per_grid_ts")}
+PER_MEDIUM = {"image": ("image_grid_thw", "image_sizes"), "video": ("video_grid_thw", "second_per_grid_ts")}
+# LLaVA-Next's any-resolution images: pixel_values [images, tiles, 3, h, w] (zero-padded tiles), each image's tiles
+# encoded on their own; its feature rows (unpadded, a newline per row) are counted once encoded, balanced by tiles
+TILE_BASES = frozenset({"LlavaNextModel", "LlavaNextVideoModel"})
 # Gemma4: one pixel row (an image, a video frame) of padded patches per position row, each encoded alone, pooled
 # k x k: ``real patches / k**2`` features each; a video's frames are units of their own (``num_frames_per_video``)
 POSITION_BASES = frozenset({"Gemma4Model"})
@@ -56,9 +61,10 @@ class MediaLayout:
     """The units the media split over the ranks: each one's pixel rows, feature rows, medium and temporal rows."""
 
     pixel_rows: list[int]
-    features: list[int]
+    features: list[int] | None  # None: counted once encoded (LLaVA-Next), the units balanced by ``cost``
     medium: list[int]  # index of the unit's medium (its grid row / pixel tensor) in the batch
     frames: list[int]  # temporal grid rows of the unit (a whole medium: its t; a frame: 1)
+    cost: list[int] | None = None  # what balances the groups when the feature rows aren't known yet (tiles)
 
 
 def balanced_groups(counts: list[int], parts: int) -> list[tuple[int, int]] | None:
@@ -101,13 +107,24 @@ def media_layout(base: torch.nn.Module, modality: str, kwargs: dict, placeholder
         frames = kwargs.get("num_frames_per_video") if modality == "video" else None
         medium = list(range(len(features))) if frames is None else torch.repeat_interleave(frames.cpu()).tolist()
         return MediaLayout([1] * len(features), features, medium, [1] * len(features))
+    if name in TILE_BASES and modality == "image" and pixels.ndim == 5 and kwargs.get("image_sizes") is not None:
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        config = base.config
+        tiles = [
+            image_size_to_num_patches(size, config.image_grid_pinpoints, config.vision_config.image_size)
+            for size in kwargs["image_sizes"].tolist()
+        ]
+        n = pixels.shape[0]
+        return MediaLayout([1] * n, None, list(range(n)), [1] * n, cost=tiles)
     if name in PER_IMAGE_BASES and pixels.ndim == 4 and placeholders % pixels.shape[0] == 0:
         n = pixels.shape[0]
         return MediaLayout([1] * n, [placeholders // n] * n, list(range(n)), [1] * n)
     raise ValueError(
         f"split_media: {name}'s {modality} inputs (pixel values {tuple(pixels.shape)}) have no layout SP can split "
         "over its ranks (splittable: flat patches with a grid_thw row per medium, as Qwen-VL and GLM-4V, or one "
-        f"fixed-size image per pixel tensor, as {', '.join(sorted(PER_IMAGE_BASES))}, or Gemma4's patch rows). "
+        f"fixed-size image per pixel tensor, as {', '.join(sorted(PER_IMAGE_BASES))}, Gemma4's patch rows, or "
+        "LLaVA-Next's tiled images). "
         "Use split_media=False."
     )
 
@@ -137,9 +154,8 @@ def encode_split(encode, base, modality: str, kwargs: dict, placeholders: int, g
     rank's own encoder output, this rank having encoded only its group of the media; ``None`` with fewer media than
     ranks (the caller then encodes them all)."""
     layout = media_layout(base, modality, kwargs, placeholders)
-    counts = layout.features
     sp, rank = dist.get_world_size(group), dist.get_rank(group)
-    groups = balanced_groups(counts, sp)
+    groups = balanced_groups(layout.cost or layout.features, sp)
     if groups is None:
         return None
     lo, hi = groups[rank]
@@ -152,6 +168,7 @@ def encode_split(encode, base, modality: str, kwargs: dict, placeholders: int, g
         if kwargs.get(name) is not None:
             mine[name] = kwargs[name][starts[lo] : starts[hi]]
     encoded = encode(base, modality, mine)
+    counts = layout.features or _counted(encoded.pooler_output, len(layout.medium), lo, hi, group)
     levels = [feature_rows(encoded.pooler_output)]
     levels += [feature_rows(level) for level in getattr(encoded, "deepstack_features", None) or []]
     local = torch.stack([x.reshape(-1, x.shape[-1]) for x in levels], 1)  # [rows, 1 + deepstack, hidden]
@@ -165,3 +182,14 @@ def encode_split(encode, base, modality: str, kwargs: dict, placeholders: int, g
     gathered = all_gather_stack(padded, group)  # [sp, width, levels, hidden]
     rows = torch.cat([gathered[r, : sum(counts[a:b])] for r, (a, b) in enumerate(groups)])
     return rows[:, 0], [rows[:, i] for i in range(1, rows.shape[1])], encoded
+
+
+def _counted(pooled, units: int, lo: int, hi: int, group) -> list[int]:
+    """Every unit's feature rows, each rank having encoded units ``lo .. hi - 1`` (a tuple of one tensor each): one
+    small all-reduce."""
+    if not isinstance(pooled, (list, tuple)) or len(pooled) != hi - lo:
+        raise ValueError(f"split_media: expected one feature tensor per medium of units {lo}..{hi - 1}.")
+    counts = torch.zeros(units, dtype=torch.long, device=pooled[0].device)
+    counts[lo:hi] = torch.tensor([x.shape[0] for x in pooled], device=counts.device)
+    dist.all_reduce(counts, group=group)
+    return counts.tolist()
