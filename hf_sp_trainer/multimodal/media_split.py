@@ -105,8 +105,8 @@ def media_layout(base: torch.nn.Module, modality: str, kwargs: dict, placeholder
         k = base.config.vision_config.pooling_kernel_size
         features = ((positions != PADDING_POSITION).all(-1).sum(-1) // k**2).tolist()
         frames = kwargs.get("num_frames_per_video") if modality == "video" else None
-        medium = list(range(len(features))) if frames is None else torch.repeat_interleave(frames.cpu()).tolist()
-        return MediaLayout([1] * len(features), features, medium, [1] * len(features))
+        medium = None if frames is None else torch.repeat_interleave(frames.cpu()).tolist()
+        return _row_per_unit(len(features), features, medium)
     if name in TILE_BASES and modality == "image" and pixels.ndim == 5 and kwargs.get("image_sizes") is not None:
         from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
@@ -115,11 +115,10 @@ def media_layout(base: torch.nn.Module, modality: str, kwargs: dict, placeholder
             image_size_to_num_patches(size, config.image_grid_pinpoints, config.vision_config.image_size)
             for size in kwargs["image_sizes"].tolist()
         ]
-        n = pixels.shape[0]
-        return MediaLayout([1] * n, None, list(range(n)), [1] * n, cost=tiles)
+        return _row_per_unit(pixels.shape[0], None, cost=tiles)
     if name in PER_IMAGE_BASES and pixels.ndim == 4 and placeholders % pixels.shape[0] == 0:
         n = pixels.shape[0]
-        return MediaLayout([1] * n, [placeholders // n] * n, list(range(n)), [1] * n)
+        return _row_per_unit(n, [placeholders // n] * n)
     raise ValueError(
         f"split_media: {name}'s {modality} inputs (pixel values {tuple(pixels.shape)}) have no layout SP can split "
         "over its ranks (splittable: flat patches with a grid_thw row per medium, as Qwen-VL and GLM-4V, or one "
@@ -127,6 +126,11 @@ def media_layout(base: torch.nn.Module, modality: str, kwargs: dict, placeholder
         "LLaVA-Next's tiled images). "
         "Use split_media=False."
     )
+
+
+def _row_per_unit(n: int, features: list[int] | None, medium: list[int] | None = None, cost=None) -> MediaLayout:
+    """``n`` units of one pixel row (an image, a tile stack, a frame) each, each its own medium unless ``medium``."""
+    return MediaLayout([1] * n, features, list(range(n)) if medium is None else medium, [1] * n, cost=cost)
 
 
 def _group_inputs(kwargs: dict, modality: str, layout: MediaLayout, lo: int, hi: int) -> dict:
