@@ -51,7 +51,7 @@ def sp_chunk_gated_delta_rule(
 
     def call(row: int, sl: slice, v: torch.Tensor, state: torch.Tensor | None, final: bool):
         q, k, gate, b_ = (t[row : row + 1, sl] for t in (query, key, g, beta))
-        return core(q, k, v, gate, b_, initial_state=state, output_final_state=final, **options)
+        return core(q, k, v, g=gate, beta=b_, initial_state=state, output_final_state=final, **options)
 
     if relay:
         step = segment_step(runs, b, lambda row, sl, state: call(row, sl, value[row : row + 1, sl], state, True))

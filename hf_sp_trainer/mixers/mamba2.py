@@ -67,12 +67,12 @@ def sp_mamba2_chunk_scan(
 
     def call(row: int, sl: slice, values: torch.Tensor, state: torch.Tensor | None, skip: bool, final: bool):
         dt_, B_, C_ = (t[row : row + 1, sl] for t in (dt, B, C))
-        return scan(
+        return scan(  # the values by position: transformers names them ``hidden_states``, mamba_ssm ``x``
             values,
-            dt_,
-            A,
-            B_,
-            C_,
+            dt=dt_,
+            A=A,
+            B=B_,
+            C=C_,
             D=None if skip else D,
             dt_bias=dt_bias,
             dt_softplus=dt_softplus,

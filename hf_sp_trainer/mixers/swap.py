@@ -70,7 +70,7 @@ def _conv_entry(original: Callable) -> Callable:
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
         bounds = kwargs.get(BOUNDS_KWARG)
         if bounds is None or not _CONTEXT:
-            return original(hidden_states, weight, bias, activation=activation, **kwargs)
+            return original(hidden_states, weight, bias=bias, activation=activation, **kwargs)
         ctx = _CONTEXT[-1]
         runs = ctx.runs(bounds, hidden_states.shape[0])
         with recompute_region():
@@ -84,7 +84,9 @@ def _gdn_entry(original: Callable) -> Callable:
     def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, **kwargs):
         bounds = kwargs.pop(BOUNDS_KWARG, None)
         if bounds is None or not _CONTEXT:
-            return original(query, key, value, g, beta, chunk_size, **kwargs)
+            # by keyword: with flash-linear-attention installed, ``original`` is FLA's kernel, whose 6th parameter is
+            # ``scale`` (transformers' hub wrapper drops the ``chunk_size`` FLA doesn't take)
+            return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, **kwargs)
         ctx = _CONTEXT[-1]
         runs = ctx.runs(bounds, query.shape[0])
         options = {
@@ -104,7 +106,7 @@ def _mamba2_entry(original: Callable) -> Callable:
     def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, **kwargs):
         bounds = kwargs.pop(BOUNDS_KWARG, None)
         if bounds is None or not _CONTEXT:
-            return original(hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, **kwargs)
+            return original(hidden_states, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias, **kwargs)
         if kwargs.get("initial_states") is not None or kwargs.get("return_final_states", False):
             raise ValueError("Mamba2 under sequence parallelism runs without a cache (use_cache=False).")
         ctx = _CONTEXT[-1]
