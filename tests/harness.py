@@ -35,6 +35,7 @@ MOE_FAMILIES = {  # not dense per-token MLPs (tiled_mlp refuses them)
     "gpt_oss": "GptOssConfig",  # attention sinks, alternating sliding window, MoE (eager only)
     "deepseek_v3": "DeepseekV3Config",  # MLA: q/k head dim 24 != v head dim 16; MoE after a dense first layer
     "glm4_moe_lite": "Glm4MoeLiteConfig",  # GLM-4.7-Flash: MLA, MoE after a dense first layer
+    "llama4": "Llama4TextConfig",  # chunked attention, NoPE layers with a temperature, MoE
 }
 # Hybrid models (their linear / SSM / conv layers run exactly under SP through hf_sp_trainer.mixers). transformers'
 # own single-process forward leaks their state across position_ids-packed documents, so their references train on
@@ -45,6 +46,9 @@ HYBRID_FAMILIES = {
     "granitemoehybrid": "GraniteMoeHybridConfig",  # Granite-4.0-H: Mamba2 and attention, MoE
     "minimax": "MiniMaxConfig",  # lightning (decayed linear) attention and full attention, MoE
 }
+# Families whose transformers forward of a position_ids-packed row differs from each document alone (hybrid layers'
+# state leaks; Llama-4's NoPE temperature counts the row index): their references train on right-padded rows.
+PADDED_REFERENCE = {*HYBRID_FAMILIES, "llama4"}
 # MoE families with the router's load-balancing loss on (a coefficient large enough to matter in every comparison)
 MOE_ROUTER_LOSS = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5),
@@ -73,6 +77,11 @@ FAMILY_OVERRIDES = {
     ),  # fmt: skip
     "deepseek_v3": dict(first_k_dense_replace=1, rope_parameters=dict(YARN, mscale_all_dim=1.0), **MLA),  # mscale
     "glm4_moe_lite": dict(mlp_layer_types=["dense", "sparse"], **MLA),
+    "llama4": dict(
+        num_hidden_layers=4,  # layers 0-2: rope, chunked attention; layer 3: NoPE, full attention, temperature
+        moe_layers=[],  # dense: its top-1 router would turn fp32 round-off into other experts over SGD steps
+        intermediate_size_mlp=128,
+    ),
     "qwen3_5": dict(
         layer_types=["linear_attention", "full_attention"],
         linear_num_key_heads=2,
@@ -413,7 +422,8 @@ def build_trainer(case: Case, sp: bool, out_dir: str, ddp: bool = False, **extra
         args = transformers.TrainingArguments(
             per_device_train_batch_size=per_device, **common, **(dict(ddp_backend="gloo") if ddp else {})
         )
-        collator = pad_rows if case.family in HYBRID_FAMILIES else DataCollatorWithFlattening(return_position_ids=True)
+        padded = case.family in PADDED_REFERENCE
+        collator = pad_rows if padded else DataCollatorWithFlattening(return_position_ids=True)
         trainer = transformers.Trainer(
             model=model, args=args, train_dataset=train, eval_dataset=evals, data_collator=collator
         )
@@ -461,7 +471,7 @@ def train_case(case: Case, sp: bool, out_dir: str, ddp: bool = False) -> dict:
     eval_loss = trainer.evaluate()["eval_loss"]
     prediction = trainer.predict(evals[: case.eval_batch_size])  # one batch: logits gathered back along the sequence
     predictions = torch.as_tensor(_logits(prediction.predictions)).float()
-    if not sp and case.family in HYBRID_FAMILIES:
+    if not sp and case.family in PADDED_REFERENCE:
         predictions = packed_predictions(predictions, evals[: case.eval_batch_size])
     logs = logged_steps(trainer)
     distributed = sp or ddp

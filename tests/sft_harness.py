@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from tests.harness import HYBRID_FAMILIES, quiet_args, reset_backend_state, tiny_model
+from tests.harness import PADDED_REFERENCE, quiet_args, reset_backend_state, tiny_model
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def train_sft_case(case: SFTCase, sp: bool, out_dir: str, ddp: bool = False) -> 
         )
         | case.config
     )
-    if not sp and case.family in HYBRID_FAMILIES:  # transformers' packed hybrid forward leaks across documents
+    if not sp and case.family in PADDED_REFERENCE:  # transformers' packed forward differs from each document alone
         common["padding_free"] = False  # right-padded rows: each document alone
     peft_config = None
     if case.lora:

@@ -36,12 +36,20 @@ from .block_attention import check_kernel
 from .image_blocks import IMAGE_BLOCKS_KWARG, IMAGE_BLOCKS_MARK, mark_image_block_layers
 from .kernels import is_varlen_kernel, resolve_kernel, run_kernel
 from .layout import DocumentLayout
+from .position_rules import (
+    CHUNK_MARK,
+    WholeSequenceRope,
+    chunk_layout,
+    mark_position_rules,
+    position_rules,
+    retune_temperature,
+)
 from .ring import autocast_like_sdpa, document_bounds, ring_attention
 
 ULYSSES_KEY = "ulysses_sp"  # must contain neither "flash" nor "sdpa": those trigger special loading paths
 VARLEN_KEY = "varlen"  # torch's own varlen flash attention (CUDA): one kernel call per layer for all documents
 BOUNDS_KWARG = "sp_document_bounds"  # passed by the decoder pre-hook down to every attention call
-_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> its gathering pre-hook
+_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> its gathering pre-hook, rope hooks
 DECODER_MARK = "_hf_sp_text_decoder"  # set on every module of a text decoder SP is attached to (survives deepcopy)
 
 
@@ -96,6 +104,7 @@ def validate_model_for_sp(
         )
     check_multimodal(model, sp_size)
     check_sequence_mixers(text_decoder(model), sp_size)  # a VLM's encoders keep their own kernels
+    position_rules(text_decoder(model), model.config.get_text_config())  # Llama-4's chunks and NoPE temperature
     shapes = attention_shapes(model.config)
     if not shapes:  # a pure state-space model (Mamba2ForCausalLM)
         raise ValueError(
@@ -185,6 +194,7 @@ class UlyssesAttention:
     def __init__(self, topology: SPTopology, sharding: SequenceSharding, kernel: str):
         self.topology, self.sharding, self.kernel = topology, sharding, kernel
         self.layout: DocumentLayout | None = None
+        self.positions: torch.Tensor | None = None  # [b, s/P]: each local token's position in its document
 
     # -- the attention function -------------------------------------------------------------------------------
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
@@ -207,6 +217,10 @@ class UlyssesAttention:
                 f"SP attention got q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}: k needs q's "
                 "head dim, v k's batch, heads and length (its head dim may differ: MLA)"
             )
+        layout = chunk_layout(self.layout, getattr(module, CHUNK_MARK, None))  # Llama-4's chunks: documents here
+        if layout is not self.layout:
+            bounds = layout.cached("bounds", lambda: document_bounds(layout.segments, layout.position_ids.shape[1]))
+        query = retune_temperature(module, query, self.positions)  # Llama-4's NoPE temperature
         sinks = _sinks(module, kwargs, query.shape[1])
         if sinks is not None:  # rank u gets query heads [u * h/U, (u+1) * h/U); slice the materialised parameter
             chunk = query.shape[1] // topo.ulysses_size
@@ -243,7 +257,7 @@ class UlyssesAttention:
                 kwargs["scaling"] = kwargs.get("scaling") or q.shape[-1] ** -0.5  # not the padded head size's
                 v = F.pad(v, (0, max(q.shape[-1], dv) - dv))
                 q, k = (F.pad(t, (0, v.shape[-1] - t.shape[-1])) for t in (q, k))
-            out = run_kernel(self.kernel, fn, kernel_module, q, k, v, self.layout, kwargs)[..., :dv]  # [b,s,h/U,dv]
+            out = run_kernel(self.kernel, fn, kernel_module, q, k, v, layout, kwargs)[..., :dv]  # [b,s,h/U,dv]
         return all_to_all(out, scatter_dim=1, gather_dim=2, group=group), None  # [b, s/P, h, d]
 
     def _uses_blocks(self, q: torch.Tensor, kwargs: dict, sinks: bool = False) -> bool:
@@ -266,14 +280,15 @@ class UlyssesAttention:
         for m in text_decoder(model).modules():
             setattr(m, DECODER_MARK, True)
         mark_image_block_layers(text_decoder(model), image_block_rule(model))
-        if decoder in _HOOKS:  # attached before (e.g. a second trainer on the same model): replace the old hook
-            _HOOKS[decoder].remove()
-        _HOOKS[decoder] = decoder.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        mark_position_rules(text_decoder(model), model.config.get_text_config())
+        for hook in _HOOKS.pop(decoder, []):  # attached before (e.g. a second trainer on the same model): replaced
+            hook.remove()
+        rope = WholeSequenceRope(self.topology.sp_group).attach(text_decoder(model))  # dynamic NTK, longrope
+        _HOOKS[decoder] = [decoder.register_forward_pre_hook(self._before_forward, with_kwargs=True), *rope]
 
     def detach(self, model: PreTrainedModel) -> None:
         """Undo ``attach``: the model's attention is the inner kernel again, run on the local tokens only."""
-        hook = _HOOKS.pop(_decoder(model), None)
-        if hook is not None:
+        for hook in _HOOKS.pop(_decoder(model), []):
             hook.remove()
         model.set_attn_implementation(_text_only(model, self._inner_key))
 
@@ -324,6 +339,7 @@ class UlyssesAttention:
         if position_ids is None:
             position_ids = self.sharding.positions(full_len, self.topology.sp_rank).to(tokens.device).unsqueeze(0)
         position_ids = position_ids.expand(batch, -1)
+        self.positions = position_ids
         if padded:  # only the SP padding may be masked (a document of its own at the end): checked on the full rows
             keep = torch.ones_like(position_ids) if mask is None else mask.to(position_ids.dtype).expand(batch, -1)
             full, full_mask = self.sharding.unshard(all_gather_along(torch.stack([position_ids, keep]), 2, group), 2)

@@ -178,12 +178,6 @@ def check_multimodal(model: PreTrainedModel, sp_size: int) -> None:
         raise ValueError(
             f"{name}'s text decoder attends bidirectionally (use_bidirectional_attention={bidirectional!r}). {fix}"
         )
-    for field in ("attention_chunk_size", "no_rope_layers"):
-        if getattr(text, field, None):
-            raise ValueError(
-                f"{name}'s text decoder uses {field} (chunked attention by row index / NoPE temperature from the "
-                f"local row index): positions SP's shard doesn't see. {fix}"
-            )
     if type(base).__name__ not in VERIFIED:
         raise ValueError(
             f"{name}: SP for its base model {type(base).__name__} is not verified exact yet (verified: "
