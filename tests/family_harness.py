@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.harness import weak_decay
+from tests.length_crossing import cross_config, rope_dims
 
 TOL = 1e-5
 VOCAB = 128
@@ -100,6 +101,7 @@ FAMILY_EXTRA = {
         "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
     },
     "xlnet": {"d_head": 16},
+    "bamba": {"attn_layer_indices": [1]},  # a Mamba2 layer and an attention layer (its default has no attention)
     "gemma3n_text": {"num_kv_shared_layers": 4},  # of the shrunk 11 layers (its default, 15, shares them all)
     "gemma4_text": {"global_head_dim": 32},  # its full-attention layers' head size (per_layer_config; 512)
     "gemma4_unified_text": {"global_head_dim": 32},
@@ -269,24 +271,37 @@ def _shrinkable(old, new) -> bool:
     return isinstance(old, (int, float))
 
 
-def build_model(model_type: str, class_name: str, seed: int = 0, router_logits: bool = True):
+def build_model(model_type: str, class_name: str, seed: int = 0, router_logits: bool = True, crossed: bool = False):
     """A tiny random-init fp32 model: sdpa if the family supports it, else eager; every weight perturbed so that no
     zero-initialised projection hides a difference; in eval mode, so that no random draw differs between the runs
-    (gradients are computed all the same)."""
+    (gradients are computed all the same). ``crossed``: with its length-dependent settings brought under the test
+    rows (``length_crossing.cross_config``; the same weights), the settings in ``model.crossed_settings`` (empty:
+    nothing to cross, the model is the default one)."""
     import transformers
 
     model_cls = getattr(transformers, class_name)
     attn = "sdpa" if getattr(model_cls, "_supports_sdpa", False) else "eager"
     error = None
     for config in tiny_configs(model_type, router_logits):  # the first variant the model class builds from
-        torch.manual_seed(seed)
         try:
-            model = model_cls._from_config(config, attn_implementation=attn, dtype=torch.float32)
+            model = _instantiate(model_cls, config, attn, seed)
             break
         except Exception as exc:  # noqa: BLE001 - the next variant, else the first error
             error = error or exc
     else:
         raise error
+    model.crossed_settings = {}
+    if crossed:
+        config, settings = cross_config(model.config, rope_dims(model))
+        if config is not None:
+            model = _instantiate(model_cls, config, attn, seed)
+            model.crossed_settings = settings
+    return model
+
+
+def _instantiate(model_cls, config, attn: str, seed: int):
+    torch.manual_seed(seed)
+    model = model_cls._from_config(config, attn_implementation=attn, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             if p.is_floating_point():
@@ -402,40 +417,56 @@ def compare(ref: tuple[float, dict], got: tuple[float, dict]) -> tuple[float, st
 
 
 def check_family(
-    model_type: str, class_name: str, sp_size: int, ring_size: int | None, seed: int = 0, router_logits: bool = True
+    model_type: str,
+    class_name: str,
+    sp_size: int,
+    ring_size: int | None,
+    seed: int = 0,
+    router_logits: bool = True,
+    crossed: bool = False,
 ) -> dict:
-    """One family on every rank of the default group: the outcome as a dict (``status``, ``detail``)."""
+    """One family on every rank of the default group: the outcome as a dict (``status``, ``detail``); ``crossed``:
+    with its length-dependent settings under the rows (``crossed``: what, ``acts``: how much they change the
+    reference, relative), or ``status`` "nothing to cross"."""
     from hf_sp_trainer import apply_sequence_parallel
     from hf_sp_trainer.attention import validate_model_for_sp
     from hf_sp_trainer.parallel import default_kernel
 
     try:
-        model = build_model(model_type, class_name, seed, router_logits)
+        model = build_model(model_type, class_name, seed, router_logits, crossed)
     except Exception as exc:  # noqa: BLE001 - recorded as "can't build"
         return {"status": "can't build", "detail": _first_line(exc)}
+    extra = {"crossed": model.crossed_settings} if crossed else {}
+    if crossed and not model.crossed_settings:
+        return {"status": "nothing to cross", "detail": ""}
     try:  # no collective: a model SP refuses needs no reference run
         validate_model_for_sp(model, sp_size, ring_size, default_kernel(model))
     except ValueError as exc:
-        return {"status": "refused", "detail": _first_line(exc)}
+        return {"status": "refused", "detail": _first_line(exc), **extra}
     g = torch.Generator().manual_seed(seed + 1)
     rows = [[_tokens(n, g) for n in DOCS], [_tokens(LONG, g)]]
     try:
         reference = copy.deepcopy(model)
         refs = [_reference(reference, docs) for docs in rows]
+        if crossed:  # the default model's own reference: does crossing change anything at all?
+            default = build_model(model_type, class_name, seed, router_logits)
+            extra["acts"] = max(
+                compare(ref, _reference(default, docs))[0] for ref, docs in zip(refs, rows, strict=True)
+            )
     except Exception as exc:  # noqa: BLE001 - the family doesn't run even without SP
-        return {"status": "can't build", "detail": f"reference run: {_first_line(exc)}"}
+        return {"status": "can't build", "detail": f"reference run: {_first_line(exc)}", **extra}
     try:
         sp = apply_sequence_parallel(model, sp_size, ring_size=ring_size)
         worst = max(compare(ref, _sp_run(model, sp, docs)) for ref, docs in zip(refs, rows, strict=True))
     except ValueError as exc:
-        return {"status": "refused", "detail": _first_line(exc)}
+        return {"status": "refused", "detail": _first_line(exc), **extra}
     except Exception as exc:  # noqa: BLE001 - a crash, or a hang the gloo timeout turned into an error
-        return {"status": "crash", "detail": f"{type(exc).__name__}: {_first_line(exc)}"}
+        return {"status": "crash", "detail": f"{type(exc).__name__}: {_first_line(exc)}", **extra}
     if worst[0] <= TOL:
-        return {"status": "exact", "detail": f"max rel err {worst[0]:.1e}"}
-    wrong = {"status": "wrong", "detail": f"max rel err {worst[0]:.1e} at {worst[1]}"}
+        return {"status": "exact", "detail": f"max rel err {worst[0]:.1e}", **extra}
+    wrong = {"status": "wrong", "detail": f"max rel err {worst[0]:.1e} at {worst[1]}", **extra}
     if router_logits and getattr(model.config, "output_router_logits", False):  # is it the router aux loss only?
-        alone = check_family(model_type, class_name, sp_size, ring_size, seed, router_logits=False)
+        alone = check_family(model_type, class_name, sp_size, ring_size, seed, router_logits=False, crossed=crossed)
         wrong["aux_loss_only"] = alone["status"] == "exact"
     return wrong
 
@@ -445,27 +476,29 @@ def _first_line(exc: BaseException) -> str:
     return (text[0] if text else type(exc).__name__)[:300]
 
 
-def run_families(names: list[tuple[str, str]], sp_size: int, ring_size: int | None) -> dict[str, dict]:
-    """Run in a spawned group: every family in turn; a family's outcome is agreed over all ranks (a ValueError counts
-    as a refusal only when every rank raised it)."""
+def run_families(names: list[tuple[str, str]], sp_size: int, ring_size: int | None, crossed: bool = False) -> dict:
+    """Run in a spawned group: every family in turn, as itself and (``crossed``) again with its length-dependent
+    settings crossed (``{"default": ..., "crossed": ...}``); a family's outcome is agreed over all ranks (a
+    ValueError counts as a refusal only when every rank raised it)."""
     import torch.distributed as dist
     from transformers.utils import logging
 
     logging.set_verbosity_error()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    results = {}
-    for model_type, class_name in names:
-        start = time.perf_counter()
-        mine = check_family(model_type, class_name, sp_size, ring_size)
-        mine["seconds"] = round(time.perf_counter() - start, 2)
-        everyone: list = [None] * dist.get_world_size()
-        try:
-            dist.all_gather_object(everyone, mine)
-        except Exception as exc:  # noqa: BLE001 - the group is gone: stop here
-            results[model_type] = {"status": "crash", "detail": f"group lost: {_first_line(exc)}"}
-            break
-        statuses = {r["status"] for r in everyone}
-        if len(statuses) > 1:
-            mine = {"status": "crash", "detail": "ranks disagree: " + "; ".join(f"{r['status']}" for r in everyone)}
-        results[model_type] = mine
+    results: dict[str, dict] = {"default": {}, "crossed": {}}
+    for variant in ("default", "crossed") if crossed else ("default",):
+        for model_type, class_name in names:
+            start = time.perf_counter()
+            mine = check_family(model_type, class_name, sp_size, ring_size, crossed=variant == "crossed")
+            mine["seconds"] = round(time.perf_counter() - start, 2)
+            everyone: list = [None] * dist.get_world_size()
+            try:
+                dist.all_gather_object(everyone, mine)
+            except Exception as exc:  # noqa: BLE001 - the group is gone: stop here
+                results[variant][model_type] = {"status": "crash", "detail": f"group lost: {_first_line(exc)}"}
+                return results
+            statuses = {r["status"] for r in everyone}
+            if len(statuses) > 1:
+                mine = {"status": "crash", "detail": "ranks disagree: " + "; ".join(f"{r['status']}" for r in everyone)}
+            results[variant][model_type] = mine
     return results

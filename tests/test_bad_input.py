@@ -89,6 +89,11 @@ def _cases(tmp):
         apply_sequence_parallel(model, 2)
         model(input_ids=torch.randint(3, 100, (1, 8 + 2 * dist.get_rank())))
 
+    def logits_to_keep_under_sp():  # Gemma4's decoder would keep this rank's last tokens
+        model = tiny_model("gemma4")
+        apply_sequence_parallel(model, 2)
+        model(input_ids=torch.randint(3, 100, (1, 8)), logits_to_keep=1)
+
     def grpo_with_vllm():
         from hf_sp_trainer import GRPOConfig
 
@@ -126,6 +131,7 @@ def _cases(tmp):
         lengths_differ_in_group,
         padding_on_one_rank_only,
         shard_lengths_differ,
+        logits_to_keep_under_sp,
         grpo_with_vllm,
         grpo_with_rollout_func,
     ]
@@ -156,6 +162,7 @@ EXPECTED = {
     "lengths_differ_in_group": ["different shapes"],
     "padding_on_one_rank_only": ["attention_mask", "padding zeros"],
     "shard_lengths_differ": ["different shapes"],
+    "logits_to_keep_under_sp": ["logits_to_keep=1", "without logits_to_keep"],
     "grpo_with_vllm": ["sp_size > 1", "use_vllm", "sp_size=1"],
     "grpo_with_rollout_func": ["sp_size > 1", "rollout_func", "sp_size=1"],
 }

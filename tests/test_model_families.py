@@ -12,12 +12,16 @@ import transformers
 
 from tests.family_harness import DOCS, LONG, TOL, families, run_families
 from tests.harness import run_distributed
+from tests.length_crossing import KERNEL_BLOCKING, describe
 from tests.multimodal_harness import classify_vlms
 
 MODELS_MD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "models.md")
 RING_SAMPLE = ("llama", "qwen3", "gemma3_text", "gemma4_text", "mistral", "phi3", "olmo2", "qwen3_moe", "doge")
 RING_SAMPLE += ("qwen3_5_text", "lfm2", "granitemoehybrid", "zamba2", "minimax")  # hybrids: two zigzag runs per rank
 STATUSES = ("exact", "refused", "out of scope", "can't build", "wrong", "crash")
+ACTS = 1e-4  # a crossed setting must change the reference by more than this, or it proved nothing
+# Crossed settings that a family's config has but its modeling code ignores (checked: they change nothing)
+INERT_CROSSINGS = {"nemotron_h": "NemotronH's config has sliding_window, but its attention never reads it"}
 FAMILIES = families()
 IN_SCOPE = [f for f in FAMILIES if f.out_of_scope is None]
 # Known and being fixed elsewhere: the router aux loss of MoE models is computed on the rank's shard only.
@@ -27,7 +31,7 @@ MOE_AUX_PENDING = "MoE router aux loss under SP (output_router_logits=True): the
 @pytest.fixture(scope="module")
 def outcomes() -> dict[str, dict]:
     names = [(f.model_type, f.class_name) for f in IN_SCOPE]
-    results = run_distributed(2, run_families, names, 2, None, timeout=900)
+    results = run_distributed(2, run_families, names, 2, None, True, timeout=1500)
     status, payload = results[0] if isinstance(results[0], tuple) else ("ok", results[0])
     assert status == "ok", f"the family group failed: {payload}"
     return payload
@@ -36,29 +40,37 @@ def outcomes() -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def ring_outcomes() -> dict[str, dict]:
     names = [(f.model_type, f.class_name) for f in IN_SCOPE if f.model_type in RING_SAMPLE]
-    results = run_distributed(4, run_families, names, 4, 2, timeout=600)
+    results = run_distributed(4, run_families, names, 4, 2, True, timeout=900)
     status, payload = results[0] if isinstance(results[0], tuple) else ("ok", results[0])
     assert status == "ok", f"the ring group failed: {payload}"
     return payload
 
 
-def _check(outcome: dict, model_type: str) -> None:
-    status, detail = outcome["status"], outcome["detail"]
-    if status == "wrong" and outcome.get("aux_loss_only"):  # exact with output_router_logits=False
-        pytest.xfail(f"{MOE_AUX_PENDING}: {detail}")
-    assert status in ("exact", "refused", "can't build"), f"{model_type}: {status}: {detail}"
+def _check(outcomes: dict[str, dict], model_type: str) -> None:
+    """The family as itself and with its length-dependent settings crossed: exact or refused, and a crossing that
+    acts (changes one device's loss or gradients) unless it only re-blocks a kernel."""
+    for variant in ("default", "crossed"):
+        outcome = outcomes[variant][model_type]
+        status, detail = outcome["status"], outcome["detail"]
+        if status == "wrong" and outcome.get("aux_loss_only"):  # exact with output_router_logits=False
+            pytest.xfail(f"{MOE_AUX_PENDING}: {detail}")
+        assert status in ("exact", "refused", "can't build", "nothing to cross"), f"{model_type} {variant}: {detail}"
+    crossed = outcomes["crossed"][model_type]
+    semantic = set(crossed.get("crossed", {})) - KERNEL_BLOCKING
+    if crossed["status"] == "exact" and semantic and model_type not in INERT_CROSSINGS:
+        assert crossed["acts"] > ACTS, f"{model_type}: crossing {describe(crossed['crossed'])} changed nothing"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", [f.model_type for f in IN_SCOPE])
 def test_family_is_exact_or_refused(model_type: str, outcomes: dict[str, dict]) -> None:
-    _check(outcomes[model_type], model_type)
+    _check(outcomes, model_type)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", [t for t in RING_SAMPLE if t in {f.model_type for f in IN_SCOPE}])
 def test_ring_sample_is_exact_or_refused(model_type: str, ring_outcomes: dict[str, dict]) -> None:
-    _check(ring_outcomes[model_type], model_type)
+    _check(ring_outcomes, model_type)
 
 
 @pytest.mark.slow
@@ -75,6 +87,19 @@ def test_models_md(outcomes: dict[str, dict], ring_outcomes: dict[str, dict]) ->
     assert text == committed, "docs/models.md is stale: rerun with HF_SP_WRITE_MODELS_MD=1 and commit it"
 
 
+def _crossed(outcomes: dict[str, dict], model_type: str) -> str:
+    """The crossed column: what was crossed, and the crossed run's status where it isn't the default's."""
+    outcome = outcomes["crossed"][model_type]
+    if outcome["status"] == "nothing to cross":
+        return "-"
+    text = describe(outcome.get("crossed", {}))
+    if outcome.get("acts") is not None and outcome["acts"] <= ACTS:
+        text += " (no effect on one device)"
+    if outcome["status"] != outcomes["default"][model_type]["status"]:
+        text += f": **{outcome['status']}** ({_row(outcome)[1]})"
+    return text
+
+
 def _row(outcome: dict) -> tuple[str, str]:
     status, detail = outcome["status"], outcome["detail"]
     if status == "exact":
@@ -86,11 +111,22 @@ def _row(outcome: dict) -> tuple[str, str]:
     return status, detail.replace("|", "\\|")
 
 
+def _vlm_crossings() -> str:
+    from tests.multimodal_harness import build_vlm
+    from tests.test_multimodal import CROSSED
+
+    return "; ".join(f"`{c.family}` {describe(build_vlm(c.family, crossed=True).crossed_settings)}" for c in CROSSED)
+
+
 def render(outcomes: dict[str, dict], ring_outcomes: dict[str, dict], vlms: list[tuple[str, str, str, str]]) -> str:
     rows = []
     for f in FAMILIES:
-        status, detail = ("out of scope", f.out_of_scope) if f.out_of_scope else _row(outcomes[f.model_type])
-        rows.append((f.model_type, f.class_name, status, detail))
+        if f.out_of_scope:
+            rows.append((f.model_type, f.class_name, "out of scope", "", f.out_of_scope))
+            continue
+        status, detail = _row(outcomes["default"][f.model_type])
+        rows.append((f.model_type, f.class_name, status, _crossed(outcomes, f.model_type), detail))
+    crossed = [r for r in rows if r[3] not in ("", "-")]
     counts = Counter(r[2] for r in rows)
     lines = [
         "# Model families under sequence parallelism",
@@ -106,19 +142,32 @@ def render(outcomes: dict[str, dict], ring_outcomes: dict[str, dict], vlms: list
         f"gradient within {TOL:g} relative. *refused*: a `ValueError` on every rank before any collective; "
         "*wrong*: a silent difference; *crash*: any other error.",
         "",
+        "**Crossed**: each family runs twice, as its default tiny config and with every setting that switches on with "
+        "length brought under those rows (`tests/length_crossing.py`, found by attribute name and in the rope "
+        "parameters, never by family name): windows 7, attention chunks 8, temperature floors 4, sparse top-k 4, "
+        "kernel chunk / block sizes 8, yarn / llama3 thresholds 8, and the default rope switched to a runtime-length "
+        "rope (longrope, else dynamic NTK) with its threshold at 24, above the packed documents and the first sp-2 "
+        "shard, below the 40-token document. The column lists what was crossed; the status is the default run's, "
+        "the crossed run's is named where it differs. *(no effect on one device)*: the crossed settings change the "
+        f"reference by at most {ACTS:g} (kernel blocking, or a setting the modeling code ignores). "
+        f"{len(crossed)} families had settings to cross.",
+        "",
         "| status | families |",
         "| --- | --- |",
         *(f"| {s} | {counts.get(s, 0)} |" for s in STATUSES),
         "",
-        "| model type | class | status | reason / first line of the error |",
-        "| --- | --- | --- | --- |",
-        *(f"| `{t}` | {c} | {s} | {d} |" for t, c, s, d in rows),
+        "| model type | class | status | crossed | reason / first line of the error |",
+        "| --- | --- | --- | --- | --- |",
+        *(f"| `{t}` | {c} | {s} | {x} | {d} |" for t, c, s, x, d in rows),
         "",
         "## sp 4 as Ulysses 2 x ring 2 (a sample)",
         "",
-        "| model type | status | first line of the error |",
-        "| --- | --- | --- |",
-        *(f"| `{t}` | {' | '.join(_row(o))} |" for t, o in ring_outcomes.items()),
+        "| model type | status | crossed | first line of the error |",
+        "| --- | --- | --- | --- |",
+        *(
+            f"| `{t}` | {_row(o)[0]} | {_crossed(ring_outcomes, t)} | {_row(o)[1]} |"
+            for t, o in ring_outcomes["default"].items()
+        ),
         "",
         "## Vision-language models",
         "",
@@ -126,7 +175,9 @@ def render(outcomes: dict[str, dict], ring_outcomes: dict[str, dict], vlms: list
         "through SP's checks (`tests/multimodal_harness.py::classify_vlms`). SP runs in the text decoder only; "
         "*exact*: proven by `tests/test_multimodal.py` against each document run alone (loss and every gradient, "
         "the vision tower's included, sp 2 and 4, Ulysses and ring); "
-        "every other VLM is refused.",
+        "every other VLM is refused. Crossed there too (`tests/test_multimodal.py::CROSSED`, the text decoder's "
+        "settings; no runtime-rope switch, as a layout's documents lie on both sides of its threshold): "
+        f"{_vlm_crossings()}.",
         "",
         "| status | families |",
         "| --- | --- |",

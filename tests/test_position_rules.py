@@ -102,3 +102,22 @@ def test_runtime_length_rope_follows_the_longest_position(family, overrides):
         torch.testing.assert_close(got[:, :12], want)
     alone = rope(x, torch.arange(12)[None])
     assert float((alone[0] - whole[0]).abs().max()) > 1e-3
+
+
+def test_runtime_length_rope_with_multimodal_positions():
+    """The same for Qwen2-VL's multimodal rope (positions ``[3, b, s]``, sections merged inside the rotary)."""
+    from tests.multimodal_harness import build_vlm
+
+    text = build_vlm("qwen2_vl").config.text_config
+    rope = {**text.rope_parameters, "rope_type": "dynamic", "factor": 4.0}
+    config = type(text)(**{**text.to_dict(), "rope_parameters": rope, "max_position_embeddings": 24})
+    rotary = type(build_vlm("qwen2_vl").model.language_model.rotary_emb)(config)
+    x, positions = torch.zeros(1, 1, 16), torch.arange(40)[None, None].expand(3, 1, 40)
+    whole = [t[..., :12, :] for t in rotary(x, positions)]
+    hooks = WholeSequenceRope(group=None).attach(torch.nn.ModuleList([rotary]))
+    with_longest = rotary(x, torch.cat([positions[..., :12], positions[..., 39:]], dim=-1))
+    for hook in hooks:
+        hook.remove()
+    for got, want in zip(with_longest, whole, strict=True):
+        torch.testing.assert_close(got[..., :12, :], want)
+    assert float((rotary(x, positions[..., :12])[0] - whole[0]).abs().max()) > 1e-3
