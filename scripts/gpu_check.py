@@ -17,6 +17,8 @@ splits a document (state summaries, conv halo) vs unsplit, and vs the CPU torch 
 f_vlm: a whole VLM step (Qwen2-VL-shaped, a packed row of three documents with images) under SP at sp 1 and at sp 2
 (two processes on the one GPU over gloo; media whole and split) vs each document alone, fp32 and bf16: loss and every
 gradient, the vision tower's included; and one long multimodal row's peak memory per rank (``_gpu_vlm.py``).
+g_length: settings that switch on with length under SP on the GPU's kernel (torch varlen): Llama-4's chunked
+attention and NoPE temperature, longrope's switch, at sp 1 and sp 2 vs each document alone (``_gpu_length.py``).
 
 Each check runs in its own process (default on CUDA), killed at the global budget: a crash, hang or broken CUDA
 context is recorded and the next check still runs; one that doesn't fit the time left is skipped with a note. The
@@ -44,6 +46,7 @@ from typing import Any
 import torch
 from _gpu_attention import sink_mla_checks
 from _gpu_hybrid import hybrid_checks
+from _gpu_length import length_checks
 from _gpu_vlm import vlm_checks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # hf_sp_trainer from a checkout
@@ -55,6 +58,7 @@ MIN_SECONDS = {
     "d_long_context": 60,
     "e_hybrid": 20,
     "f_vlm": 40,
+    "g_length": 30,
 }  # don't start with less
 TOL = {torch.float32: 2e-4, torch.bfloat16: 3e-2}  # on max_rel
 NEEDS_HALF, NO_FLASH = "needs CUDA and fp16/bf16", "flash-attn not installed"
@@ -405,7 +409,8 @@ def run_check(name: str, ctx: Ctx, lengths: list[int]) -> dict:
     checks = {"a_kernels": check_kernels, "b_fused_loss": check_fused_loss, "c_offload": check_offload,
               "d_long_context": lambda c: check_long_context(c, lengths),
               "e_hybrid": lambda c: hybrid_checks(c.device, c.dry),
-              "f_vlm": lambda c: vlm_checks(c.device, c.dry)}  # fmt: skip
+              "f_vlm": lambda c: vlm_checks(c.device, c.dry),
+              "g_length": lambda c: length_checks(c.device, c.dry)}  # fmt: skip
     try:
         rec = {"status": "ok", "result": checks[name](ctx)}
     except Exception as exc:  # noqa: BLE001 - one failing check must not stop the others

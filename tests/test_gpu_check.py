@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "gpu_check.py"
-CHECKS = ["a_kernels", "b_fused_loss", "c_offload", "d_long_context", "e_hybrid", "f_vlm"]
+CHECKS = ["a_kernels", "b_fused_loss", "c_offload", "d_long_context", "e_hybrid", "f_vlm", "g_length"]
 
 
 def _run(out: Path, *flags: str) -> dict:
@@ -81,6 +81,13 @@ def test_dry_run_report(tmp_path):
         assert vlm[name]["worst"] <= 1e-5 and vlm[name]["params"] > 50, (name, vlm[name])
     assert vlm["exact_sp2_float32_split"]["media_split"] and not vlm["exact_sp2_float32"]["media_split"]
     assert vlm["within_tol"] and all(vlm[f"long_row_sp{n}"]["step_s"] > 0 for n in (1, 2))
+
+    length = _ok(report, "g_length")  # Llama-4's chunks and temperature, longrope: sp 1 and 2 vs each document alone
+    for case in ("llama4", "phi3_longrope"):
+        for world in (1, 2):
+            rec = length[f"{case}_sp{world}_float32"]
+            assert rec.get("worst", 1.0) <= 1e-5, (case, world, rec)
+    assert length["within_tol"]
 
 
 def test_out_of_budget_checks_are_skipped(tmp_path):

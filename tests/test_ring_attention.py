@@ -95,6 +95,7 @@ def test_zigzag_permutation_round_trip(seq, ring):
 
 def test_zigzag_ranges():
     assert zigzag_ranges(16, 1, 0) == [(0, 16)]
+    assert zigzag_ranges(13, 1, 0) == [(0, 13)]  # no ring: any length (sp 1 on CPU's block kernels)
     assert [zigzag_ranges(16, 4, r) for r in range(4)] == [
         [(0, 2), (14, 16)], [(2, 4), (12, 14)], [(4, 6), (10, 12)], [(6, 8), (8, 10)]
     ]  # fmt: skip

@@ -31,10 +31,10 @@ def chunk_pair(rank: int, ring_size: int) -> tuple[int, int]:
 
 def zigzag_ranges(seq_len: int, ring_size: int, rank: int) -> list[Range]:
     """Global ``[start, end)`` ranges of ``rank``'s portion, in local order (one range when ``R == 1``)."""
+    if ring_size == 1:  # no ring: the whole sequence, of any length (odd ones at sp 1 or an odd Ulysses degree)
+        return [(0, seq_len)]
     if seq_len % (2 * ring_size):
         raise ValueError(f"sequence length {seq_len} must be a multiple of 2 * ring size = {2 * ring_size}")
-    if ring_size == 1:
-        return [(0, seq_len)]
     c = seq_len // (2 * ring_size)
     return [(j * c, (j + 1) * c) for j in chunk_pair(rank, ring_size)]
 
