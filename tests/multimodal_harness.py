@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from hf_sp_trainer.data import tiny_vlm
 from hf_sp_trainer.data.tiny_vlm import tiny_llava_config, tiny_llava_processor, vision_conversations
+from hf_sp_trainer.multimodal.parts import vlm_base
+from tests.multimodal_llama4 import forward_logits, llama4_config, llama4_image, with_return_dict
 
 VOCAB = tiny_vlm.VOCAB
 IMG, VID, VSTART, VEND, VSTART2, VEND2 = tiny_vlm.IMAGE_TOKEN_ID, 121, 122, 123, 124, 125
@@ -66,6 +68,8 @@ FAMILIES = {
     # frame) on the sliding layers ("vision" mode), or causal throughout (gemma4_causal, as its smaller models)
     "gemma4": "Gemma4ForConditionalGeneration",
     "gemma4_causal": "Gemma4ForConditionalGeneration",
+    # Llama-4: tiles, pixel-shuffled; chunked attention and a NoPE temperature in its decoder (multimodal_llama4.py)
+    "llama4": "Llama4ForConditionalGeneration",
 }
 GEMMA4 = ("gemma4", "gemma4_causal")  # h x w patches of 2 x 2 pixels (positions, -1 = padding), pooled 2 x 2
 PIXTRAL = ("mistral3", "lighton_ocr")  # images of any size, [IMG_BREAK] rows
@@ -394,11 +398,11 @@ def qwen_vl_config(family: str = "qwen2_vl", layers: int = 2):
     )
 
 
-def build_vlm(family: str = "qwen2_vl", seed: int = 0):
-    import transformers
-
-    from tests.family_harness import unit_scale_temperature
-    from tests.harness import weak_decay
+def build_vlm(family: str = "qwen2_vl", seed: int = 0, crossed: bool = False):
+    """The family's tiny VLM; ``crossed``: its text decoder's length-dependent settings brought under the rows
+    (``tests/length_crossing.py``, without the runtime rope switch: a layout mixes documents on both sides of its
+    threshold), the same weights, the settings in ``model.crossed_settings``."""
+    from tests.length_crossing import cross_config, rope_dims
 
     configs = {"llava": tiny_llava_config, "internvl": internvl_config, "llava_next": llava_next_config}
     configs["llava_onevision"] = llava_onevision_config
@@ -408,12 +412,28 @@ def build_vlm(family: str = "qwen2_vl", seed: int = 0):
     configs |= {f: functools.partial(llava_like_config, f) for f in LLAVA_LIKE[1:]}
     configs |= {"llava_next_video": llava_next_video_config, "paddleocr_vl": paddleocr_vl_config}
     configs["qianfan_ocr"] = functools.partial(internvl_config, "qianfan_ocr")
-    configs |= {f: functools.partial(gemma4_config, f) for f in GEMMA4}
+    configs |= {f: functools.partial(gemma4_config, f) for f in GEMMA4} | {"llama4": llama4_config}
     config = configs[family]() if family in configs else qwen_vl_config(family)
-    cls = FAMILIES[family]
+    model = _instantiate_vlm(family, config, seed)
+    model.crossed_settings = {}
+    if crossed:
+        text, settings = cross_config(config.get_text_config(), rope_dims(model), runtime_rope=False)
+        if text is not None:
+            config.text_config = text
+            model = _instantiate_vlm(family, config, seed)
+            model.crossed_settings = settings
+    return model
+
+
+def _instantiate_vlm(family: str, config, seed: int):
+    import transformers
+
+    from tests.family_harness import unit_scale_temperature
+    from tests.harness import weak_decay
+
     torch.manual_seed(seed)
     attn = "eager" if family == "got_ocr2" else "sdpa"  # GOT-OCR2 refuses sdpa at the top level
-    model = getattr(transformers, cls)._from_config(config, attn_implementation=attn, dtype=torch.float32)
+    model = getattr(transformers, FAMILIES[family])._from_config(config, attn_implementation=attn, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -468,6 +488,12 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
                     types += [MODALITY_TYPE[modality] if x == token else 0 for x in ids[len(types) :]]
                     if modality == "video":
                         example_frames.append(t)
+                    continue
+                if family == "llama4":  # its tiles (a layout's video: an image), TILE placeholders each
+                    image_ids, image = llama4_image(h, w, g)
+                    ids += image_ids
+                    types += [MODALITY_TYPE["image"] if x == IMG else 0 for x in ids[len(types) :]]
+                    pixels["image"].append(image)
                     continue
                 if family == "lfm2_vl":  # h x w patches of 2 x 2 pixels (NaFlex rows), (h/2)(w/2) placeholders
                     ids += [VSTART] + [IMG] * (h * w // 4) + [VEND]
@@ -536,7 +562,7 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
             tall, wide = (max(x.shape[d] for x in pixels["image"]) for d in (2, 3))
             padded = [F.pad(x, (0, wide - x.shape[3], 0, tall - x.shape[2])) for x in pixels["image"]]
             example |= {"pixel_values": torch.cat(padded), "image_sizes": torch.cat(grids["image"])}
-        elif family in ONE_D:
+        elif family in ONE_D or family == "llama4":
             if pixels["image"]:  # Idefics3 / SmolVLM: [1, images, 3, h, w], the collator zero-pads the images dim
                 example["pixel_values"] = (
                     torch.cat(pixels["image"])[None] if family in IDEFICS else torch.cat(pixels["image"])
@@ -566,13 +592,14 @@ def reference(model, examples: list[dict]) -> tuple[float, dict[str, torch.Tenso
     for ex in examples:
         ids = ex["input_ids"][None]
         media = {k: v for k, v in ex.items() if k not in ("input_ids", "mm_token_type_ids", "token_type_ids")}
-        if hasattr(model.model, "get_rope_index") or type(model.model).__name__ == "Gemma4Model":  # mrope / its mask
+        base = vlm_base(model)
+        if hasattr(base, "get_rope_index") or type(base).__name__ == "Gemma4Model":  # mrope / its mask
             media["mm_token_type_ids"] = ex["mm_token_type_ids"][None]
         if "token_type_ids" in ex:  # Gemma3: each image's tokens see each other
             media["token_type_ids"] = ex["token_type_ids"][None]
-        out = model(input_ids=ids, **media)
+        logits = forward_logits(model, input_ids=ids, **media)
         labels = F.pad(ids[:, 1:], (0, 1), value=-100)
-        total = total + F.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        total = total + F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
     total.backward()
     return total.item(), _grads(model)
 
@@ -585,8 +612,8 @@ def sp_run(model, sp, batch: dict) -> tuple[float, dict[str, torch.Tensor]]:
     shard = sp.shard_batch(batch)
     shift = shard.pop("shift_labels")
     shard.pop("labels")
-    out = model(**shard)
-    loss = F.cross_entropy(out.logits.flatten(0, 1), shift.flatten(), reduction="sum")
+    logits = forward_logits(model, **shard)
+    loss = F.cross_entropy(logits.flatten(0, 1), shift.flatten(), reduction="sum")
     loss.backward()
     group = sp.topology.sp_group
     total = loss.detach().clone()
@@ -652,28 +679,45 @@ class Case:
     ring: int | None = None
     frozen: bool = False  # the vision tower frozen: encoded under no_grad, only the decoder trains
     split: bool = False  # phase 2: the media split over the SP ranks, their features exchanged
+    crossed: bool = False  # the text decoder's length-dependent settings under the rows (tests/length_crossing.py)
 
     @property
     def name(self) -> str:
         ring = f"_ring{self.ring}" if self.ring else ""
-        return f"{self.family}_{self.layout}{ring}{'_frozen' if self.frozen else ''}{'_split' if self.split else ''}"
+        flags = "".join(f"_{f}" for f in ("frozen", "split", "crossed") if getattr(self, f))
+        return f"{self.family}_{self.layout}{ring}{flags}"
+
+
+def vision_tower(model) -> torch.nn.Module:
+    """The VLM's vision encoder: ``visual`` (Qwen-VL), ``vision_tower``, or ``vision_model`` (Llama-4)."""
+    base = vlm_base(model)
+    return next(getattr(base, a) for a in ("visual", "vision_tower", "vision_model") if hasattr(base, a))
 
 
 def run_case(case: Case, sp_size: int) -> dict:
     from hf_sp_trainer import SPMultimodalCollator, apply_sequence_parallel
 
-    model = build_vlm(case.family)
+    model = build_vlm(case.family, crossed=case.crossed)
     if case.frozen:
-        (getattr(model.model, "visual", None) or model.model.vision_tower).requires_grad_(False)
+        vision_tower(model).requires_grad_(False)
     examples = make_examples(LAYOUTS[case.layout], case.family)
     ref = reference(model, examples)
+    acts = worst_error(ref, reference(build_vlm(case.family), examples))[0] if model.crossed_settings else None
     batch = SPMultimodalCollator(model)(examples)
     with apply_sequence_parallel(model, sp_size, ring_size=case.ring, split_media=case.split) as sp:
         got = sp_run(model, sp, batch)
         exchanged = sp.media.exchanged
     worst, where = worst_error(ref, got)
     length = batch["input_ids"].shape[1]
-    return {"error": worst, "where": where, "length": length, "params": len(ref[1]), "exchanged": exchanged}
+    return {
+        "error": worst,
+        "where": where,
+        "length": length,
+        "params": len(ref[1]),
+        "exchanged": exchanged,
+        "crossed": model.crossed_settings,
+        "acts": acts,
+    }
 
 
 def run_matrix(cases: list[Case], sp_size: int) -> dict[str, dict]:
@@ -777,7 +821,7 @@ def train_vlm(
     import torch.distributed as dist
     import transformers
 
-    from hf_sp_trainer import SPTrainer, TrainingArguments
+    from hf_sp_trainer import SPMultimodalCollator, SPTrainer, TrainingArguments
     from tests.harness import full_parameters, logged_steps, quiet_args
 
     model = build_vlm(family)
@@ -800,12 +844,15 @@ def train_vlm(
         remove_unused_columns=False,
         dataloader_drop_last=False,
     )
+    tuple_path = not model.config.return_dict  # Llama-4: its forward's tuple path (tests/multimodal_llama4.py)
     if sp_size == 1:
         args = transformers.TrainingArguments(**common)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=examples, data_collator=pad_rows)
+        collator = with_return_dict(pad_rows) if tuple_path else pad_rows
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=examples, data_collator=collator)
     else:
         args = TrainingArguments(**common, sp_size=sp_size, sp_ring_size=ring, sp_split_media=split)
-        trainer = SPTrainer(model=model, args=args, train_dataset=examples)
+        collator = with_return_dict(SPMultimodalCollator(model)) if tuple_path else None  # None: SPTrainer's own
+        trainer = SPTrainer(model=model, args=args, train_dataset=examples, data_collator=collator)
     aux = []  # the router loss each forward returned (None: not computed)
     model.register_forward_hook(lambda m, a, output: aux.append(getattr(output, "aux_loss", None)))
     trainer.train()

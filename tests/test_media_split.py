@@ -81,10 +81,11 @@ def test_split_layouts_are_the_proven_ones() -> None:
     """Every video encoder split by frame has a "one_video" split case in the sp-2 matrix, every per-image layout a
     split case on images, and only those."""
     from hf_sp_trainer.multimodal.media_split import FRAME_BASES, PER_IMAGE_BASES, POSITION_BASES, TILE_BASES
+    from hf_sp_trainer.multimodal.parts import vlm_base
     from tests.test_multimodal import SP2
 
     def bases(cases) -> set[str]:
-        return {type(build_vlm(c.family).model).__name__ for c in cases}
+        return {type(vlm_base(build_vlm(c.family))).__name__ for c in cases}
 
     split = [c for c in SP2 if c.split]
     assert bases(c for c in split if c.layout == "one_video") == FRAME_BASES | POSITION_BASES

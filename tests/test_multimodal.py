@@ -82,6 +82,11 @@ SP2 = [
     Case("paddleocr_vl", "padded", ring=2),
     Case("qianfan_ocr", "mixed"),
     Case("qianfan_ocr", "padded", ring=2),
+    # Llama-4: tiles; chunks of 8 and the NoPE temperature (floor 4) in its decoder (tests/multimodal_llama4.py)
+    Case("llama4", "mixed"),
+    Case("llama4", "padded", ring=2),
+    Case("llama4", "padded", frozen=True),  # the tower frozen, its projector (run after the merge) trained
+    Case("llama4", "many", split=True),  # phase 2: its tiles split over the ranks, each encoded alone
     # phase 2: the media split over the ranks, their features exchanged
     Case("qwen2_vl", "mixed", split=True),  # two images split, the one video's two frames too
     Case("llava", "many", split=True),
@@ -148,6 +153,9 @@ SP4 = [
     Case("glm_ocr", "images", ring=2),
     Case("paddleocr_vl", "padded"),
     Case("qianfan_ocr", "padded"),
+    Case("llama4", "mixed", ring=2),  # Ulysses 2 x ring 2
+    Case("llama4", "padded"),  # Ulysses 4: each kv head repeated
+    Case("llama4", "many", ring=2, split=True),
     Case("qwen3_vl", "many", ring=2, split=True),  # deepstack levels exchanged with the features
     Case("qwen2_5_vl", "many", split=True),
     Case("llava", "many", ring=2, split=True),
@@ -160,6 +168,24 @@ SP4 = [
     Case("gemma4", "one_video", ring=2, split=True),
     Case("llava_next", "many", ring=2, split=True),
 ]
+
+
+# The text decoder's length-dependent settings crossed under the rows (tests/length_crossing.py): every family with
+# one to cross (windows, a window its config can switch on), Ulysses and ring
+CROSSED = [
+    Case("qwen2_vl", "mixed", crossed=True),
+    Case("qwen2_5_vl", "padded", ring=2, crossed=True),
+    Case("internvl", "mixed", crossed=True),
+    Case("qianfan_ocr", "padded", ring=2, crossed=True),
+    Case("got_ocr2", "mixed", crossed=True),
+    Case("mistral3", "mixed", ring=2, crossed=True),
+    Case("gemma3", "mixed", ring=2, crossed=True),
+    Case("aya_vision", "mixed", crossed=True),
+    Case("cohere2_vision", "mixed", ring=2, crossed=True),
+    Case("idefics2", "mixed", crossed=True),
+]
+SP2 += CROSSED
+ACTS = 1e-4  # a crossed setting must change the reference by more than this
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +203,8 @@ def test_vlm_sp2_matches_each_document_alone(case: Case, sp2_results: dict) -> N
     result = sp2_results[case.name]
     assert result["error"] <= TOL, f"{case.name}: {result['error']:.2e} at {result['where']}"
     assert (result["exchanged"] > 0) == case.split, result  # phase 2 ran where asked, and only there
+    if case.crossed:
+        assert result["crossed"] and result["acts"] > ACTS, f"{case.name}: crossing {result['crossed']} changed nothing"
 
 
 @pytest.mark.slow
@@ -194,7 +222,7 @@ def test_layouts_cover_the_hard_places() -> None:
 
     pairs = [("qwen2_vl", "mixed"), ("internvl", "mixed"), ("llava_next", "mixed"), ("mistral3", "mixed")]
     pairs += [("glm4v", "images"), ("gemma3", "mixed"), ("aya_vision", "mixed"), ("lighton_ocr", "mixed")]
-    pairs += [("gemma4", "mixed")]
+    pairs += [("gemma4", "mixed"), ("llama4", "mixed")]
     for family, layout in [*pairs, ("glm4v", "videos")]:
         row = SPMultimodalCollator(build_vlm(family))(make_examples(LAYOUTS[layout], family))["input_ids"][0]
         half = len(row) // 2 + len(row) % 2
@@ -225,6 +253,8 @@ TRAINER_CASES = {
     # the MoE decoder's load-balancing loss in the loss (coefficient 0.5): one product of averages over the batch
     "qwen3_vl_moe_router_loss_sp2_ga2": ("qwen3_vl_moe", 2, 2, None, False, False, True),
     "qwen3_5_moe_router_loss_sp2_ga2": ("qwen3_5_moe", 2, 2, None, False, False, True),  # hybrid + MoE
+    # chunks of 8, the NoPE temperature, a MoE layer; its forward's tuple path (tests/multimodal_llama4.py)
+    "llama4_sp2_ring2_ga2": ("llama4", 2, 2, 2, False, False, False),
 }
 
 
@@ -432,7 +462,7 @@ def test_vision_tower_never_runs_sp_attention() -> None:
 def test_only_proven_vlms_pass_the_checks() -> None:
     """Every image-text-to-text family is refused or can't build, except those this file's matrix proves exact; and
     every VLM base model SP accepts (``multimodal.parts.VERIFIED``) has cases in the matrix."""
-    from hf_sp_trainer.multimodal.parts import VERIFIED
+    from hf_sp_trainer.multimodal.parts import VERIFIED, vlm_base
     from tests.multimodal_harness import FAMILIES, classify_vlms
 
     rows = classify_vlms()
@@ -440,15 +470,14 @@ def test_only_proven_vlms_pass_the_checks() -> None:
     assert accepted == set(FAMILIES.values()), (accepted, set(FAMILIES.values()))
     ringed = {FAMILIES[c.family] for c in SP2 + SP4 if c.ring}
     assert accepted <= {FAMILIES[c.family] for c in SP2} and accepted <= ringed, (accepted, ringed)
-    bases = {type(build_vlm(f).model).__name__ for f in FAMILIES}
+    bases = {type(vlm_base(build_vlm(f))).__name__ for f in FAMILIES}  # Llama-4's VLM is its own base
     assert bases == set(VERIFIED), (bases, VERIFIED)
-    assert {t for t, _, s, _ in rows if s == "refused"} >= {"paligemma", "llama4", "janus"}
+    assert {t for t, _, s, _ in rows if s == "refused"} >= {"paligemma", "janus"}
 
 
-@pytest.mark.parametrize("family", ["paligemma", "llama4"])
+@pytest.mark.parametrize("family", ["paligemma"])
 def test_refused_vlms(family: str) -> None:
-    """PaliGemma's bidirectional prefix mask depends on what the shard doesn't hold; Llama-4's decoder runs exactly
-    under SP (chunked attention, NoPE temperature: tests/test_length_settings.py), its VLM is not verified yet."""
+    """PaliGemma's bidirectional prefix mask depends on what the shard doesn't hold."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
@@ -490,6 +519,59 @@ def test_image_blocks_are_needed() -> None:
     assert set(got) == expected, set(got)
     print({k: f"{v['error']:.2e}" for k, v in got.items()})
     assert min(r["error"] for r in got.values()) > 1e-2, got
+
+
+# -- Llama-4 ---------------------------------------------------------------------------------------------------
+def test_llama4_length_settings_act() -> None:
+    """Negative controls for the Llama-4 cases: the reference (each document alone) moves far beyond the tolerance
+    when its chunks (8), its NoPE temperature (floor 4) or both go back to transformers' defaults (8192: neither acts
+    on these rows), so an SP run matching it at 1e-5 honours both."""
+    from tests.multimodal_llama4 import llama4_reference_gaps
+
+    for layout in ("mixed", "padded"):
+        gaps = llama4_reference_gaps(layout)
+        print(layout, {k: f"{v:.2e}" for k, v in gaps.items()})
+        assert set(gaps) == {"chunk", "temperature", "both"} and min(gaps.values()) > 1e-2, (layout, gaps)
+
+
+def test_llama4_layout_is_its_processors() -> None:
+    """Llama-4's examples as its processor lays them out: ``<|image_start|>``, the tiles' rows (16 ``<|patch|>`` a
+    tile, x / y separators) where an image has several tiles, ``<|image|>`` and the global tile's patches,
+    ``<|image_end|>``; one 16-row tile of features per 16 placeholders."""
+    from tests.multimodal_llama4 import IMAGE_END, IMAGE_START, IMAGE_TOKEN, TILE_X, TILE_Y, llama4_image
+
+    ids, pixels = llama4_image(4, 6, torch.Generator().manual_seed(0))  # 2 x 2 tiles and the global one
+    row = [IMG] * 16 + [TILE_X] + [IMG] * 16 + [TILE_Y]
+    assert ids == [IMAGE_START, *row, *row, IMAGE_TOKEN, *[IMG] * 16, IMAGE_END], ids
+    assert tuple(pixels.shape) == (5, 3, 16, 16)
+    single, pixels = llama4_image(2, 2, torch.Generator().manual_seed(0))
+    assert single == [IMAGE_START, IMAGE_TOKEN, *[IMG] * 16, IMAGE_END] and pixels.shape[0] == 1, single
+    model = build_vlm("llama4")
+    for example in make_examples(LAYOUTS["mixed"], "llama4"):
+        if "pixel_values" in example:
+            with torch.no_grad():
+                rows = model.get_image_features(example["pixel_values"], return_dict=True).last_hidden_state
+            assert rows.shape[0] * rows.shape[1] == int((example["input_ids"] == IMG).sum())
+
+
+def test_llama4_forward_needs_the_tuple_path() -> None:
+    """Contract: transformers' ``Llama4ForConditionalGeneration.forward`` fails on a dict output (its language
+    model's output has no ``image_outputs``), on one device, so the matrix and the Trainer case run its tuple path
+    (``tests/multimodal_llama4.py``). When this fails, upstream fixed it: run Llama-4 through the dict path (drop
+    ``config.return_dict = False`` and ``with_return_dict``)."""
+    from hf_sp_trainer.multimodal.parts import feature_field
+
+    model = build_vlm("llama4")
+    example = make_examples(LAYOUTS["padded"][:1], "llama4")[0]
+    inputs = {"input_ids": example["input_ids"][None], "pixel_values": example["pixel_values"]}
+    model.config.return_dict = True
+    with pytest.raises(AttributeError, match="image_outputs"):
+        model(**inputs)
+    model.config.return_dict = False
+    logits = model(**inputs, return_dict=True)[0]
+    assert logits.shape == (1, example["input_ids"].numel(), model.config.text_config.vocab_size)
+    encoded = model.get_image_features(example["pixel_values"], return_dict=True)  # what SP merges: no pooler
+    assert feature_field(encoded) == "last_hidden_state" and encoded.pooler_output is None
 
 
 # -- TRL's vision SFT format ------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from .media_split import encode_split
 from .parts import (
     IMAGE_BLOCK_MODELS,
     PIXELS,
+    feature_field,
     feature_rows,
     image_block_rule,
     shared_placeholder,
@@ -104,12 +105,13 @@ class MediaFeatures:
                 exchanged = encode_split(encode, base, modality, kwargs, count, group) if self.split_media else None
                 if exchanged is None:  # phase 1 (or fewer media than ranks): every rank encodes every medium
                     encoded = encode(base, modality, kwargs)
-                    rows = feature_rows(encoded.pooler_output)
+                    rows = feature_rows(getattr(encoded, feature_field(encoded)))
                     deep = [feature_rows(level) for level in getattr(encoded, "deepstack_features", None) or []]
                 else:  # phase 2: this rank's group encoded, the whole batch's rows exchanged
                     rows, deep, encoded = exchanged
                     self.exchanged += 1
-            split = _is_split(encoded.pooler_output)  # a tuple per medium (Qwen-VL, LLaVA) or one tensor (InternVL)
+            field = feature_field(encoded)  # pooler_output; Llama-4: last_hidden_state, projected in its forward
+            split = _is_split(getattr(encoded, field))  # a tuple per medium (Qwen-VL, LLaVA) or one tensor (InternVL)
             rows = rows.reshape(-1, rows.shape[-1])
             if count != rows.shape[0]:
                 raise ValueError(
@@ -121,7 +123,7 @@ class MediaFeatures:
             index = rank[:, positions][local[i].bool()].to(rows.device)  # this rank's placeholders, in local order
             mine = rows.index_select(0, index)
             fields = {k: v for k, v in encoded.items() if k not in _PATCH_STATES}
-            fields["pooler_output"] = (mine,) if split else _like(encoded.pooler_output, mine)
+            fields[field] = (mine,) if split else _like(getattr(encoded, field), mine)
             if deep:  # Qwen3-VL: the same rows of every deepstack level
                 fields["deepstack_features"] = [(level.index_select(0, index),) for level in deep]
             outputs[modality] = type(encoded)(**fields)  # a new output: the old one's dict still holds every state

@@ -28,13 +28,14 @@ import torch
 import torch.distributed as dist
 
 from ..mixers.gather import all_gather_stack
-from .parts import PADDING_POSITION, PIXELS, feature_rows
+from .parts import PADDING_POSITION, PIXELS, feature_field, feature_rows
 
 # pixel_values [images (InternVL: tiles), C, H, W], a fixed number of features per image, each encoded alone
 PER_IMAGE_BASES = frozenset(
     {
         *("LlavaModel", "Gemma3Model", "VipLlavaModel", "InternVLModel", "QianfanOCRModel"),
         *("AyaVisionModel", "Cohere2VisionModel", "GotOcr2Model"),
+        "Llama4ForConditionalGeneration",  # its own base: each tile encoded alone, a fixed number of features per tile
     }
 )
 PER_MEDIUM = {"image": ("image_grid_thw", "image_sizes"), "video": ("video_grid_thw", "second_per_grid_ts")}
@@ -172,8 +173,9 @@ def encode_split(encode, base, modality: str, kwargs: dict, placeholders: int, g
         if kwargs.get(name) is not None:
             mine[name] = kwargs[name][starts[lo] : starts[hi]]
     encoded = encode(base, modality, mine)
-    counts = layout.features or _counted(encoded.pooler_output, len(layout.medium), lo, hi, group)
-    levels = [feature_rows(encoded.pooler_output)]
+    features = getattr(encoded, feature_field(encoded))
+    counts = layout.features or _counted(features, len(layout.medium), lo, hi, group)
+    levels = [feature_rows(features)]
     levels += [feature_rows(level) for level in getattr(encoded, "deepstack_features", None) or []]
     local = torch.stack([x.reshape(-1, x.shape[-1]) for x in levels], 1)  # [rows, 1 + deepstack, hidden]
     if local.shape[0] != sum(counts[lo:hi]):

@@ -25,6 +25,14 @@ def feature_rows(level) -> torch.Tensor:
     return torch.cat(list(level)) if isinstance(level, (list, tuple)) else level
 
 
+def feature_field(encoded) -> str:
+    """The field of an encoder output (``get_image_features`` / ``get_video_features``) that the model merges at its
+    placeholders: ``pooler_output``, or ``last_hidden_state`` where the encoder leaves ``pooler_output`` empty and the
+    model's forward projects the last hidden state itself, row by row (Llama-4: its projector runs after the merge
+    reads ``mm_encoder_outputs["image"].last_hidden_state``)."""
+    return "pooler_output" if getattr(encoded, "pooler_output", None) is not None else "last_hidden_state"
+
+
 MEDIA = ("image", "video")  # modalities whose features are merged at placeholder tokens
 ENCODER_CONFIG_HINTS = ("vision", "audio", "image", "video", "speech", "vq")
 # The VLM base models whose SP runs are proven exact by tests/test_multimodal.py (each has cases there; a test keeps
@@ -46,6 +54,10 @@ VERIFIED = frozenset(
         *("AyaVisionModel", "Cohere2VisionModel", "LightOnOcrModel", "Idefics3Model", "SmolVLMModel"),
         *("Idefics2Model", "GotOcr2Model", "LlavaOnevisionModel"),
         *("VipLlavaModel", "VideoLlavaModel", "LlavaNextVideoModel", "QianfanOCRModel"),
+        # Llama-4: the VLM is its own base (vision_model, multi_modal_projector, language_model); tiles, features
+        # in last_hidden_state; its decoder's chunked attention and NoPE temperature: attention/position_rules.py.
+        # (transformers 5.24's forward fails on a dict output, on one device too: tests/multimodal_llama4.py)
+        "Llama4ForConditionalGeneration",
         *IMAGE_BLOCK_MODELS,  # Gemma3; Gemma4 (per-layer head sizes, per-layer embeddings, shared kv; no audio)
     }
 )
