@@ -159,7 +159,7 @@ def _crossed_dict(values: dict, dims: dict[str | None, int], runtime_rope: str |
             crossed["max_window_layers"] = 1
     rope = values.get("rope_parameters")
     per_type = isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values())
-    for layer_type, params in rope.items() if per_type else [(None, rope)] if isinstance(rope, dict) else []:
+    for layer_type, params in sorted(rope.items()) if per_type else [(None, rope)] if isinstance(rope, dict) else []:
         kind = params.get("rope_type", "default")
         where = f"rope[{layer_type}]" if layer_type else "rope"
         if kind in ("yarn", "llama3") and params.get("original_max_position_embeddings", 0) > STATIC_ROPE_THRESHOLD:
