@@ -12,13 +12,14 @@ The loss is exactly the model's own: token losses summed over labels other than 
 ``num_items_in_batch`` (their count when not given), with Gemma's ``final_logit_softcapping``, pre-shifted
 ``shift_labels`` honoured, and the logits upcast to fp32 before the cross-entropy, as ``ForCausalLMLoss`` does.
 On CUDA with ``liger-kernel`` installed and a plain ``nn.Linear`` head, Liger's fused linear cross-entropy is used
-instead.
+instead (also on CPU under Triton's interpreter, ``TRITON_INTERPRET=1``: the GPU-kernel test tier).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 import types
 import weakref
 from typing import Any
@@ -157,12 +158,20 @@ def _chunk_loss(hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module, so
     return F.cross_entropy(logits.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def liger_runs_on(device: torch.device) -> bool:
+    """Whether Liger's Triton kernels can run on ``device``: CUDA, or the CPU under Triton's interpreter
+    (``TRITON_INTERPRET=1``, set before Python starts)."""
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
 def _liger_sum(hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module, softcap: float | None):
-    """Liger's fused linear cross-entropy (summed) on CUDA for a plain ``nn.Linear`` head; ``None`` when not usable."""
+    """Liger's fused linear cross-entropy (summed) where it runs (``liger_runs_on``) for a plain ``nn.Linear`` head;
+    ``None`` when not usable."""
     weight = getattr(head, "weight", None)
     plain = type(head) is nn.Linear and not isinstance(weight, DTensor) and not hasattr(weight, "ds_id")
-    if hidden.device.type != "cuda" or not plain:
-        why = "hidden states not on CUDA" if hidden.device.type != "cuda" else "the LM head is not a plain nn.Linear"
+    runs = liger_runs_on(hidden.device)
+    if not runs or not plain:
+        why = "hidden states not on CUDA" if not runs else "the LM head is not a plain nn.Linear"
         _info_once(why, f"fused_loss: chunked torch cross-entropy ({why}).")
         return None
     try:
@@ -172,7 +181,7 @@ def _liger_sum(hidden: torch.Tensor, targets: torch.Tensor, head: nn.Module, sof
         return None
     _info_once("liger", "fused_loss: Liger's fused linear cross-entropy.")
     loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum", softcap=softcap)
-    out = loss_fn(weight, hidden, targets, head.bias)
+    out = loss_fn(lin_weight=weight, _input=hidden, target=targets, bias=head.bias)  # by name: liger-kernel 0.8.5's
     return out[0] if isinstance(out, tuple) else out
 
 
