@@ -6,13 +6,15 @@ setup(
     description="Exact Ulysses sequence parallelism for the Hugging Face Trainer and TRL",
     packages=find_packages(include=["hf_sp_trainer", "hf_sp_trainer.*"]),
     python_requires=">=3.10",
+    # capped at the minor versions the tests run on: SP relies on their internals (contract tests name them), and
+    # transformers 5.25 already changed its kernel functions (hub objects without __wrapped__)
     install_requires=[
         "torch>=2.6",
-        "transformers>=5.24,<6",
-        "accelerate>=1.15",
-        "datasets>=4",
-        "trl>=1.16,<2",
-        "peft>=0.17",
+        "transformers>=5.24,<5.25",
+        "accelerate>=1.15,<1.17",
+        "datasets>=4,<5.3",
+        "trl>=1.16,<1.17",
+        "peft>=0.17,<0.22",
     ],
     entry_points={
         "console_scripts": [
