@@ -198,13 +198,13 @@ def _varlen_forward(path, q, k, v, geometry, scale, softcap, causal):
         from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
         kw = dict(return_aux=AuxRequest(lse=True), scale=scale, window_size=win, enable_gqa=q.shape[1] != k.shape[1])
-        return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+        return varlen_attn(q, k, v, cu_seq_q=cu_q, cu_seq_k=cu_k, max_q=max_q, max_k=max_k, **kw)
     if path == "flash_attention_2":
         from flash_attn import flash_attn_varlen_func
 
         out, lse, _ = flash_attn_varlen_func(
-            q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=scale, causal=causal, window_size=win,
-            softcap=softcap or 0.0, return_attn_probs=True,
+            q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+            softmax_scale=scale, causal=causal, window_size=win, softcap=softcap or 0.0, return_attn_probs=True,
         )  # fmt: skip
         return out, lse
     from flash_attn_interface import _flash_attn_forward
@@ -223,15 +223,18 @@ def _varlen_backward(path, dout, q, k, v, out, lse, geometry, scale, softcap, ca
 
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
         op = torch.ops.torch_attn._varlen_attn_backward
-        return op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, win == (-1, 0), rng_state, scale, list(win))
+        return op(
+            dout, q, k, v, out, lse, cu_seq_q=cu_q, cu_seq_k=cu_k, max_q=max_q, max_k=max_k,
+            is_causal=win == (-1, 0), rng_state=rng_state, scale=scale, window_size=list(win),
+        )  # fmt: skip
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     common = dict(softmax_scale=scale, window_size_left=win[0], window_size_right=win[1], softcap=softcap or 0.0)
     if path == "flash_attention_2":
         from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
 
         _flash_attn_varlen_backward(
-            dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p=0.0, causal=causal,
-            alibi_slopes=None, deterministic=False, **common,
+            dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+            max_seqlen_k=max_k, dropout_p=0.0, causal=causal, alibi_slopes=None, deterministic=False, **common,
         )  # fmt: skip
     else:
         from flash_attn_interface import _flash_attn_backward
