@@ -15,16 +15,11 @@ sp 1 runs on one rank; sp 2 is two processes sharing the one GPU over gloo, Ulys
 
 from __future__ import annotations
 
-import json
-import os
-import tempfile
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-
-TOL = {"float32": 1e-4, "bfloat16": 3e-2}  # on the worst relative error (fp32: TF32 off)
+from _gpu_steps import grads, loss_sum, run_worlds, start_rank, summed_over, within_tol, worst
 
 
 def _model(case: str, dry: bool, device: torch.device, dtype: torch.dtype):
@@ -59,28 +54,7 @@ def _rows(case: str, dry: bool) -> list[list[int]]:
     return [[40]] if dry else [[1800]]
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
-
-
-def _worst(ref: tuple[float, dict], got: tuple[float, dict]) -> dict[str, Any]:
-    worst, where = abs(got[0] - ref[0]) / abs(ref[0]), "loss"
-    norms = {n: g.norm().item() for n, g in ref[1].items()}
-    floor = 1e-3 * (sum(v * v for v in norms.values()) / len(norms)) ** 0.5
-    for name, g in ref[1].items():
-        err = (got[1][name] - g).norm().item() / max(norms[name], floor)
-        if err > worst:
-            worst, where = err, name
-    return {"worst": worst, "where": where}
-
-
 def _exact(case: str, world: int, device: torch.device, dtype: torch.dtype, dry: bool) -> dict[str, Any]:
-    import torch.distributed as dist
-
     from hf_sp_trainer import apply_sequence_parallel
 
     model = _model(case, dry, device, dtype)
@@ -88,12 +62,11 @@ def _exact(case: str, world: int, device: torch.device, dtype: torch.dtype, dry:
     rows = [[torch.randint(3, 256, (n,), generator=gen) for n in docs] for docs in _rows(case, dry)]
     model.zero_grad(set_to_none=True)
     total = 0.0
-    for docs in rows:  # each document alone
-        for doc in docs:
-            ids = doc[None].to(device)
-            total = total + _loss_sum(model(input_ids=ids).logits, F.pad(ids[:, 1:], (0, 1), value=-100))
+    for doc in (doc for docs in rows for doc in docs):  # each document alone
+        ids = doc[None].to(device)
+        total = total + loss_sum(model(input_ids=ids).logits, F.pad(ids[:, 1:], (0, 1), value=-100))
     total.backward()
-    ref = (total.item(), _grads(model))
+    ref = (total.item(), grads(model))
     model.zero_grad(set_to_none=True)
     with apply_sequence_parallel(model, world) as sp:
         loss = torch.zeros((), device=device)
@@ -103,40 +76,24 @@ def _exact(case: str, world: int, device: torch.device, dtype: torch.dtype, dry:
             labels = ids.masked_fill(positions == 0, -100)
             shard = sp.shard_batch({"input_ids": ids, "position_ids": positions, "labels": labels})
             shard = {k: v.to(device) for k, v in shard.items() if torch.is_tensor(v)}
-            step = _loss_sum(
-                model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits, shard["shift_labels"]
-            )
+            logits = model(input_ids=shard["input_ids"], position_ids=shard["position_ids"]).logits
+            step = loss_sum(logits, shard["shift_labels"])
             step.backward()
             loss = loss + step.detach()
+        got = summed_over(sp.topology.sp_group, loss, grads(model))
         kernel = sp.attention.kernel
-        grads = _grads(model)
-        if world > 1:
-            names = sorted(grads)
-            flat = torch.cat([grads[n].flatten() for n in names]).contiguous()
-            dist.all_reduce(flat, group=sp.topology.sp_group)
-            dist.all_reduce(loss, group=sp.topology.sp_group)
-            sizes = [grads[n].numel() for n in names]
-            grads = {n: g.view_as(grads[n]) for n, g in zip(names, flat.split(sizes), strict=True)}
-    rec = _worst(ref, (loss.item(), grads)) | {"kernel": kernel, "documents": _rows(case, dry)}
-    return rec | {"within_tol": rec["worst"] <= TOL[str(dtype).removeprefix("torch.")]}
+    return within_tol(worst(ref, got) | {"kernel": kernel, "documents": _rows(case, dry)}, dtype)
 
 
 def _worker(rank: int, world: int, port: int, device: str, dry: bool, out_path: str) -> None:
-    import torch.distributed as dist
-    import transformers
+    import json
+
     from _bench_common import end_spawned_worker
 
-    transformers.logging.set_verbosity_error()
-    backend = "nccl" if device == "cuda" and world == 1 else "gloo"  # gloo: two ranks on one GPU
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(0)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    dtypes = [torch.float32, torch.bfloat16] if dev.type == "cuda" else [torch.float32]
+    dev = start_rank(rank, world, port, device)
     out: dict[str, Any] = {}
     for case in ("llama4", "phi3_longrope"):
-        for dtype in dtypes:
+        for dtype in [torch.float32, torch.bfloat16] if dev.type == "cuda" else [torch.float32]:
             name = f"{case}_sp{world}_{str(dtype).removeprefix('torch.')}"
             try:
                 out[name] = _exact(case, world, dev, dtype, dry)
@@ -149,19 +106,8 @@ def _worker(rank: int, world: int, port: int, device: str, dry: bool, out_path: 
 
 
 def length_checks(device: torch.device, dry: bool) -> dict[str, Any]:
-    """sp 1 and sp 2 (two processes on the device), each in freshly spawned processes: ``{case: figures}``."""
-    from _bench_common import free_port
-
-    out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for world in (1, 2):
-            path = os.path.join(tmp, f"sp{world}.json")
-            try:
-                mp.spawn(_worker, args=(world, free_port(), device.type, dry, path), nprocs=world)
-                with open(path) as f:
-                    out |= json.load(f)
-            except Exception as exc:  # noqa: BLE001 - a crashed rank: recorded, sp 1's result kept
-                out[f"sp{world}"] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
-    cases = [v for v in out.values() if isinstance(v, dict) and "worst" in v]
-    out["within_tol"] = bool(cases) and len(cases) == len(out) and all(v["within_tol"] for v in cases)
+    """sp 1 and sp 2 (two processes on the device): ``{case: figures}``, ``within_tol`` over all of them."""
+    out = run_worlds(_worker, device, dry)
+    cases = [v for v in out.values() if isinstance(v, dict)]
+    out["within_tol"] = bool(cases) and all(v.get("within_tol", False) for v in cases)
     return out

@@ -14,16 +14,12 @@ its time is not a speed figure).
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-
-TOL = {"float32": 1e-4, "bfloat16": 3e-2}  # on the worst relative error (fp32: TF32 off)
+from _gpu_steps import grads, loss_sum, run_worlds, start_rank, summed_over, within_tol, worst
 
 
 def _examples(gen: torch.Generator, grid: int, lengths: tuple[int, ...], shares: tuple[float, ...]) -> list[dict]:
@@ -52,14 +48,6 @@ def _model(layers: int, device: torch.device, dtype: torch.dtype, big: bool):
     return model.to(device).train()
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
-
-
 def _reference(model, examples: list[dict], device) -> tuple[float, dict]:
     model.zero_grad(set_to_none=True)
     total = 0.0
@@ -69,9 +57,9 @@ def _reference(model, examples: list[dict], device) -> tuple[float, dict]:
         if "pixel_values" in media:
             media["pixel_values"] = media["pixel_values"].to(model.dtype)
         logits = model(input_ids=ids, **media).logits
-        total = total + _loss_sum(logits, F.pad(ids[:, 1:], (0, 1), value=-100))
+        total = total + loss_sum(logits, F.pad(ids[:, 1:], (0, 1), value=-100))
     total.backward()
-    return total.item(), _grads(model)
+    return total.item(), grads(model)
 
 
 def _sp_step(model, sp, batch: dict, device) -> tuple[torch.Tensor, dict]:
@@ -82,24 +70,12 @@ def _sp_step(model, sp, batch: dict, device) -> tuple[torch.Tensor, dict]:
     shard.pop("labels")
     if "pixel_values" in shard:
         shard["pixel_values"] = shard["pixel_values"].to(model.dtype)
-    loss = _loss_sum(model(**shard).logits, labels)
+    loss = loss_sum(model(**shard).logits, labels)
     loss.backward()
-    return loss.detach(), _grads(model)
-
-
-def _worst(ref: tuple[float, dict], got: tuple[float, dict]) -> dict[str, Any]:
-    worst, where = abs(got[0] - ref[0]) / abs(ref[0]), "loss"
-    norms = {n: g.norm().item() for n, g in ref[1].items()}
-    floor = 1e-3 * (sum(v * v for v in norms.values()) / len(norms)) ** 0.5
-    for name, g in ref[1].items():
-        err = (got[1][name] - g).norm().item() / max(norms[name], floor)
-        if err > worst:
-            worst, where = err, name
-    return {"worst": worst, "where": where, "params": len(ref[1])}
+    return loss.detach(), grads(model)
 
 
 def _exact(world: int, device, dtype: torch.dtype, split: bool, dry: bool) -> dict[str, Any]:
-    import torch.distributed as dist
 
     from hf_sp_trainer import SPMultimodalCollator, apply_sequence_parallel
 
@@ -109,18 +85,11 @@ def _exact(world: int, device, dtype: torch.dtype, split: bool, dry: bool) -> di
     ref = _reference(model, examples, device)
     batch = SPMultimodalCollator(model)(examples)
     with apply_sequence_parallel(model, world, split_media=split) as sp:
-        loss, grads = _sp_step(model, sp, batch, device)
+        loss, per_param = _sp_step(model, sp, batch, device)
         kernel, exchanged = sp.attention.kernel, sp.media.exchanged
-        if world > 1:
-            names = sorted(grads)
-            flat = torch.cat([grads[n].flatten() for n in names]).contiguous()
-            dist.all_reduce(flat, group=sp.topology.sp_group)
-            dist.all_reduce(loss, group=sp.topology.sp_group)
-            sizes = [grads[n].numel() for n in names]
-            grads = {n: g.view_as(grads[n]) for n, g in zip(names, flat.split(sizes), strict=True)}
-    rec = _worst(ref, (loss.item(), grads))
-    rec |= {"kernel": kernel, "tokens": int(batch["input_ids"].shape[1]), "media_split": exchanged}
-    return rec | {"within_tol": rec["worst"] <= TOL[str(dtype).removeprefix("torch.")]}
+        got = summed_over(sp.topology.sp_group, loss, per_param)
+    rec = worst(ref, got) | {"kernel": kernel, "tokens": int(batch["input_ids"].shape[1]), "media_split": exchanged}
+    return within_tol(rec, dtype)
 
 
 def _long_row(world: int, device, tokens: int, dry: bool) -> dict[str, Any]:
@@ -150,16 +119,9 @@ def _long_row(world: int, device, tokens: int, dry: bool) -> dict[str, Any]:
 
 def _worker(rank: int, world: int, port: int, device: str, dry: bool, long_tokens: int, out_path: str) -> None:
     import torch.distributed as dist
-    import transformers
     from _bench_common import end_spawned_worker
 
-    transformers.logging.set_verbosity_error()
-    backend = "nccl" if device == "cuda" and world == 1 else "gloo"  # gloo: two ranks on one GPU
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(0)
-    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = start_rank(rank, world, port, device)
     dtypes = [torch.float32, torch.bfloat16] if dev.type == "cuda" else [torch.float32]
     out: dict[str, Any] = {}
     cases = [(dtype, split) for dtype in dtypes for split in ((False, True) if world > 1 else (False,))]
@@ -189,19 +151,9 @@ def _worker(rank: int, world: int, port: int, device: str, dry: bool, long_token
 
 def vlm_checks(device: torch.device, dry: bool) -> dict[str, Any]:
     """sp 1 and sp 2 (two processes on the device), each in freshly spawned processes: ``{case: figures}``."""
-    from _bench_common import free_port
-
     tokens = 1024 if dry else 32768
     out: dict[str, Any] = {"model": "Qwen2-VL-shaped (bench_vlm_memory.vlm_config)", "long_row_tokens": tokens}
-    with tempfile.TemporaryDirectory() as tmp:
-        for world in (1, 2):
-            path = os.path.join(tmp, f"sp{world}.json")
-            try:
-                mp.spawn(_worker, args=(world, free_port(), device.type, dry, tokens, path), nprocs=world)
-                with open(path) as f:
-                    out |= json.load(f)
-            except Exception as exc:  # noqa: BLE001 - a crashed rank: recorded, sp 1's result kept
-                out[f"sp{world}"] = {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+    out |= run_worlds(_worker, device, dry, tokens)
     ones, twos = out.get("long_row_sp1", {}), out.get("long_row_sp2", {})
     if ones.get("peak_mb") and twos.get("peak_mb"):
         out["long_row_peak_sp2_vs_sp1"] = twos["peak_mb"] / ones["peak_mb"]
