@@ -309,11 +309,11 @@ class UlyssesAttention:
                 f"SP got a prepared {mask.ndim}-D attention mask; pass the [batch, seq] padding mask (or none): SP "
                 "builds the attention pattern from the documents' positions."
             )
-        keep = kwargs.get("logits_to_keep")
-        if isinstance(keep, int) and keep > 0:  # Gemma4's decoder would slice this rank's last tokens
+        logits_to_keep = kwargs.get("logits_to_keep")
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:  # Gemma4's decoder would slice its last tokens
             raise ValueError(
-                f"SP got logits_to_keep={keep}: each rank holds part of the sequence, so its last tokens are not the "
-                "sequence's. Call the model without logits_to_keep under sequence parallelism."
+                f"SP got logits_to_keep={logits_to_keep}: each rank holds part of the sequence, so its last tokens "
+                "are not the sequence's. Call the model without logits_to_keep under sequence parallelism."
             )
         has_padding = mask is not None and not bool(mask.bool().all())
         # One small collective every rank always completes, so a bad input raises everywhere instead of hanging.
