@@ -12,30 +12,30 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "DPOConfig": "dpo",
-    "GRPOConfig": "grpo",
-    "RLOOConfig": "grpo",
-    "SPGRPOTrainer": "grpo",
-    "SPRLOOTrainer": "grpo",
-    "KTOConfig": "kto",
-    "RewardConfig": "reward",
-    "SPDPOTrainer": "dpo",
-    "SPKTOTrainer": "kto",
-    "SPRewardTrainer": "reward",
-    "SequenceParallelArguments": "arguments",
-    "TrainingArguments": "arguments",
+    "DPOConfig": "trainers.dpo",
+    "GRPOConfig": "trainers.grpo",
+    "RLOOConfig": "trainers.grpo",
+    "SPGRPOTrainer": "trainers.grpo",
+    "SPRLOOTrainer": "trainers.grpo",
+    "KTOConfig": "trainers.kto",
+    "RewardConfig": "trainers.reward",
+    "SPDPOTrainer": "trainers.dpo",
+    "SPKTOTrainer": "trainers.kto",
+    "SPRewardTrainer": "trainers.reward",
+    "SequenceParallelArguments": "trainers.arguments",
+    "TrainingArguments": "trainers.arguments",
     "ULYSSES_KEY": "attention.ulysses",
     "UlyssesAttention": "attention.ulysses",
     "SPDataCollator": "collators",
     "SPMultimodalCollator": "collators",
     "SequenceParallel": "parallel",
     "apply_sequence_parallel": "parallel",
-    "SFTConfig": "sft",
-    "SPSFTTrainer": "sft",
-    "SPTrainer": "trainer",
-    "SequenceParallelMixin": "trainer",
-    "ThroughputCallback": "throughput",
-    "add_throughput_callback": "throughput",
+    "SFTConfig": "trainers.sft",
+    "SPSFTTrainer": "trainers.sft",
+    "SPTrainer": "trainers.base",
+    "SequenceParallelMixin": "trainers.base",
+    "ThroughputCallback": "integrations.throughput",
+    "add_throughput_callback": "integrations.throughput",
 }
 __all__ = [
     "DPOConfig",
@@ -65,17 +65,17 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from .arguments import SequenceParallelArguments, TrainingArguments
     from .attention.ulysses import ULYSSES_KEY, UlyssesAttention
     from .collators import SPDataCollator, SPMultimodalCollator
-    from .dpo import DPOConfig, SPDPOTrainer
-    from .grpo import GRPOConfig, RLOOConfig, SPGRPOTrainer, SPRLOOTrainer
-    from .kto import KTOConfig, SPKTOTrainer
+    from .integrations.throughput import ThroughputCallback, add_throughput_callback
     from .parallel import SequenceParallel, apply_sequence_parallel
-    from .reward import RewardConfig, SPRewardTrainer
-    from .sft import SFTConfig, SPSFTTrainer
-    from .throughput import ThroughputCallback, add_throughput_callback
-    from .trainer import SequenceParallelMixin, SPTrainer
+    from .trainers.arguments import SequenceParallelArguments, TrainingArguments
+    from .trainers.base import SequenceParallelMixin, SPTrainer
+    from .trainers.dpo import DPOConfig, SPDPOTrainer
+    from .trainers.grpo import GRPOConfig, RLOOConfig, SPGRPOTrainer, SPRLOOTrainer
+    from .trainers.kto import KTOConfig, SPKTOTrainer
+    from .trainers.reward import RewardConfig, SPRewardTrainer
+    from .trainers.sft import SFTConfig, SPSFTTrainer
 
 
 def __getattr__(name: str):

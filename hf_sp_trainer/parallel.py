@@ -15,19 +15,20 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedModel
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging
 
-from .attention import UlyssesAttention, all_gather_along, validate_model_for_sp
-from .attention.ulysses import VARLEN_KEY
-from .distributed.teardown import register_exit_hook
-from .layer_configs import head_counts
-from .mixers.swap import attach_mixers, check_mixer_kernels, check_state_passing, release_mixers
+from .attention.ulysses import VARLEN_KEY, UlyssesAttention
+from .comm import all_gather_along
+from .losses.router import RouterLoss, sp_router_loss
+from .mixers.swap import attach_mixers, check_mixer_kernels, check_state_passing
+from .model.decoder import decoder_layers
+from .model.heads import head_counts
+from .model.vlm import is_multimodal
 from .multimodal.features import MediaFeatures
-from .multimodal.parts import is_multimodal
-from .router_loss import RouterLoss, sp_router_loss
 from .sharding import SequenceSharding
 from .topology import SPTopology, release_groups, sp_topology
+from .topology.teardown import register_exit_hook
+from .validate import validate_model_for_sp
 
 logger = logging.get_logger(__name__)
 
@@ -65,7 +66,6 @@ class SequenceParallel:
         before ``dist.destroy_process_group()``); also what leaving ``with apply_sequence_parallel(...) as sp:`` does.
         """
         self.detach()
-        release_mixers()
         release_groups()
 
     def __enter__(self) -> SequenceParallel:
@@ -83,7 +83,7 @@ def compile_decoder_layers(model: torch.nn.Module, backend: str = "inductor", mo
     layer and every sequence length. What runs once per forward (gathering ``position_ids``, planning the
     documents) stays outside, in the decoder's pre-hook. Returns the number of layers compiled.
     """
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = decoder_layers(model)
     for layer in layers:
         layer.compile(backend=backend, mode=mode, dynamic=True)
     return len(layers)
@@ -122,7 +122,7 @@ def apply_sequence_parallel(
     sharding = SequenceSharding(sp_size, ring)
     attention = UlyssesAttention(topology, sharding, kernel)
     attention.attach(model)
-    attach_mixers(model, topology, sharding, state_passing)  # hybrid layers' convs and recurrences, exact
+    attach_mixers(model, attention.documents, state_passing)  # hybrid layers' convs and recurrences, exact
     router_loss = sp_router_loss(model, topology.sp_group)
     media = MediaFeatures(model, topology, sharding, split_media) if is_multimodal(model) else None
     if topology.rank == 0:

@@ -117,7 +117,7 @@ def end_spawned_worker() -> NoReturn:
     then exit code 0 (``hf_sp_trainer``'s own worker teardown). A normal interpreter exit would run the C++ static
     destructors, where a finished gloo process now and then aborts (``terminate called without an active
     exception``) and ``mp.spawn`` fails the whole benchmark. Write the worker's results before calling it."""
-    from hf_sp_trainer.distributed.teardown import end_process_groups, exit_finished_worker
+    from hf_sp_trainer.topology.teardown import end_process_groups, exit_finished_worker
 
     end_process_groups()
     exit_finished_worker()

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
 
-from hf_sp_trainer.attention.all_to_all import all_to_all
-from hf_sp_trainer.mixers import gather
+from hf_sp_trainer.comm import gather
+from hf_sp_trainer.comm.all_to_all import all_to_all
 from hf_sp_trainer.mixers.causal_conv import sp_causal_conv1d
 from hf_sp_trainer.mixers.gated_deltanet import sp_chunk_gated_delta_rule
 from hf_sp_trainer.mixers.runs import ShardRuns

@@ -54,7 +54,7 @@ def _timed(fn, repeats: int) -> float:
 
 # -- 1. one layer -------------------------------------------------------------------------------------------------
 def _layer_case(m: hl.GDNShape, length: int, doc: int, repeats: int) -> dict:
-    from hf_sp_trainer.attention.ring import document_bounds
+    from hf_sp_trainer.documents import document_bounds
     from hf_sp_trainer.mixers.runs import shard_runs
     from hf_sp_trainer.sharding import SequenceSharding
     from hf_sp_trainer.topology import release_groups, sp_topology

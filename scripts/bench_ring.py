@@ -224,9 +224,9 @@ def _rank_seconds(plans: list, kv_heads: int, repeats: int) -> list[float]:
 
 
 def balance(args, rings: list[int]) -> list[dict]:
-    from hf_sp_trainer.attention.layout import DocumentLayout
-    from hf_sp_trainer.attention.zigzag import measure_work, plan_ring
+    from hf_sp_trainer.documents import DocumentLayout
     from hf_sp_trainer.sharding import pad_to_multiple
+    from hf_sp_trainer.sharding.zigzag import measure_work, plan_ring
 
     rows, threads = [], torch.get_num_threads()
     torch.set_num_threads(1)  # one core per ring rank, as the workers (and steadier on a shared machine)

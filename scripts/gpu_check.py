@@ -145,7 +145,7 @@ def kernel_runs(ctx: Ctx, half: bool, cfg) -> dict[str, Any]:
 
     from hf_sp_trainer.attention.block_attention import block_backward, block_forward
     from hf_sp_trainer.attention.kernels import run_kernel
-    from hf_sp_trainer.attention.layout import DocumentLayout
+    from hf_sp_trainer.documents import DocumentLayout
 
     module = LlamaAttention(cfg, layer_idx=0).to(ctx.device)
 
@@ -233,7 +233,7 @@ def loss_case(ctx: Ctx, dtype: torch.dtype, softcap: float | None, sizes: tuple[
     """The plain loss (fp32 cross-entropy of the ``dtype`` logits) vs the chunked one and, with ``liger``, Liger's."""
     from unittest import mock
 
-    from hf_sp_trainer.memory import fused_loss
+    from hf_sp_trainer.losses import fused as fused_loss
 
     tokens, hidden, vocab = sizes
     gen = torch.Generator(ctx.device).manual_seed(0)
@@ -337,8 +337,13 @@ def train_step(ctx: Ctx, model, opt, tokens: int) -> tuple[float, float]:
 def check_long_context(ctx: Ctx, lengths: list[int]) -> dict:
     from bench_memory import LLAMA3_8B
 
+    from hf_sp_trainer.integrations.throughput import (
+        attention_geometry,
+        device_peak_flops,
+        matmul_params,
+        training_flops,
+    )
     from hf_sp_trainer.memory import enable_memory_features
-    from hf_sp_trainer.throughput import attention_geometry, device_peak_flops, matmul_params, training_flops
 
     shape = {k: v for k, v in LLAMA3_8B.items() if k != "num_hidden_layers"}
     peak_flops = device_peak_flops(torch.cuda.get_device_name()) if ctx.cuda else None

@@ -429,8 +429,8 @@ def check_family(
     with its length-dependent settings under the rows (``crossed``: what, ``acts``: how much they change the
     reference, relative), or ``status`` "nothing to cross"."""
     from hf_sp_trainer import apply_sequence_parallel
-    from hf_sp_trainer.attention import validate_model_for_sp
     from hf_sp_trainer.parallel import default_kernel
+    from hf_sp_trainer.validate import validate_model_for_sp
 
     try:
         model = build_model(model_type, class_name, seed, router_logits, crossed)

@@ -11,7 +11,7 @@ from transformers.models.bamba import modeling_bamba as bamba
 from transformers.models.kimi_linear import modeling_kimi_linear as kimi_linear
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
 
-from hf_sp_trainer.attention.ring import document_bounds
+from hf_sp_trainer.documents import document_bounds
 from hf_sp_trainer.mixers.causal_conv import sp_causal_conv1d
 from hf_sp_trainer.mixers.gated_deltanet import sp_chunk_gated_delta_rule
 from hf_sp_trainer.mixers.lightning import lightning_forward

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from hf_sp_trainer.data import tiny_vlm
 from hf_sp_trainer.data.tiny_vlm import tiny_llava_config, tiny_llava_processor, vision_conversations
-from hf_sp_trainer.multimodal.parts import vlm_base
+from hf_sp_trainer.model.vlm import vlm_base
 from tests.multimodal_llama4 import forward_logits, llama4_config, llama4_image, with_return_dict
 
 VOCAB = tiny_vlm.VOCAB
@@ -737,7 +737,7 @@ def run_matrix_without(cases: list[Case], sp_size: int) -> dict[str, dict]:
 
     import hf_sp_trainer.attention.ring as ring
     import hf_sp_trainer.attention.ulysses as ulysses
-    import hf_sp_trainer.attention.zigzag as zigzag
+    import hf_sp_trainer.sharding.zigzag as zigzag
 
     original, mark = zigzag._image_tasks, ulysses.mark_image_block_layers
     out = {}
@@ -876,8 +876,8 @@ def classify_vlms(sp_size: int = 2) -> list[tuple[str, str, str, str]]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
     from transformers.utils import logging
 
-    from hf_sp_trainer.attention.ulysses import validate_model_for_sp
     from hf_sp_trainer.multimodal import is_multimodal
+    from hf_sp_trainer.validate import validate_model_for_sp
 
     verbosity = logging.get_verbosity()
     logging.set_verbosity_error()

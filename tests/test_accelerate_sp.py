@@ -8,7 +8,7 @@ import pytest
 from accelerate import ParallelismConfig
 
 from hf_sp_trainer import TrainingArguments
-from hf_sp_trainer.distributed.accelerate_sp import route_accelerate_sp
+from hf_sp_trainer.integrations.accelerate_sp import route_accelerate_sp
 
 
 @pytest.fixture(autouse=True)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from hf_sp_trainer.attention.kernels import _document_mask
-from hf_sp_trainer.attention.layout import DocumentLayout
 from hf_sp_trainer.attention.ulysses import kv_replication
+from hf_sp_trainer.documents import DocumentLayout
 from tests.harness import run_distributed, synthetic_dataset, tiny_model, unwrap_results
 
 TOL = 1e-5
@@ -61,7 +61,7 @@ def forward_checks(sp_size):
     from transformers import DataCollatorWithFlattening
 
     from hf_sp_trainer import apply_sequence_parallel
-    from hf_sp_trainer.attention import all_to_all
+    from hf_sp_trainer.comm import all_to_all
     from hf_sp_trainer.topology import sp_topology
 
     dist.init_process_group("gloo")

@@ -112,23 +112,19 @@ def test_sequence_aware_recomputes_the_hybrid_mixers(family):
     attention layer's kernel is still saved; gradients equal the unchecked ones."""
     from hf_sp_trainer.memory.checkpointing import sequence_aware_context_fn
     from hf_sp_trainer.mixers.documents import keep_documents_apart
-    from hf_sp_trainer.mixers.swap import release_mixers
 
     base = tiny_model(family).train()
     ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(0))
     inputs = {"input_ids": ids, "labels": ids, "position_ids": torch.cat([torch.arange(12), torch.arange(18)])[None]}
     runs = {}
-    try:
-        for policy in ("off", "full", "sequence_aware"):
-            model = copy.deepcopy(base)
-            assert keep_documents_apart(model) is not None
-            if policy != "off":
-                model.activation_checkpointing_enable()
-            if policy == "sequence_aware":
-                wrap_checkpointed_layers(model, sequence_aware_context_fn)
-            runs[policy] = _forward_backward(model, inputs)
-    finally:
-        release_mixers()
+    for policy in ("off", "full", "sequence_aware"):
+        model = copy.deepcopy(base)
+        assert keep_documents_apart(model) is not None
+        if policy != "off":
+            model.activation_checkpointing_enable()
+        if policy == "sequence_aware":
+            wrap_checkpointed_layers(model, sequence_aware_context_fn)
+        runs[policy] = _forward_backward(model, inputs)
     bmm = "aten.bmm.default"
     assert runs["off"][0][bmm] > 0 and runs["off"][1][ATTENTION_OP] == 0
     assert runs["sequence_aware"][1][bmm] == runs["full"][1][bmm] > runs["off"][1][bmm]

@@ -125,7 +125,7 @@ def test_resume_reproduces_uninterrupted_run(case, resumed):
 def test_cpu_fsdp_hybrid_sharding_is_refused_clearly():
     from types import SimpleNamespace
 
-    from hf_sp_trainer.distributed.cpu_backend import _drop_fsdp_mesh
+    from hf_sp_trainer.integrations.cpu_backend import _drop_fsdp_mesh
 
     args = SimpleNamespace(parallelism_config=ParallelismConfig(dp_replicate_size=2, dp_shard_size=2))
     with pytest.raises(ValueError, match="dp_replicate_size=2"):

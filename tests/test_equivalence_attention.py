@@ -4,7 +4,7 @@ on 2 and 4 gloo processes trains exactly like plain Trainer in one process (Ulys
 import pytest
 import torch
 
-from hf_sp_trainer.attention import validate_model_for_sp
+from hf_sp_trainer.validate import validate_model_for_sp
 from tests.harness import Case, check_sp_case, run_distributed, sp_runs_by_world, tiny_model, unwrap_results
 
 TOL = 1e-5

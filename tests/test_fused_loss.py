@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_sp_trainer.memory.fused_loss import has_fused_loss
+from hf_sp_trainer.losses.fused import has_fused_loss
 from tests.harness import (
     VOCAB,
     Case,
@@ -229,7 +229,7 @@ def test_fused_loss_refuses_label_smoothing(tmp_path):
 
 
 def test_fused_loss_refuses_logit_scale(tmp_path):
-    from hf_sp_trainer.memory.fused_loss import enable_fused_loss
+    from hf_sp_trainer.losses.fused import enable_fused_loss
 
     model = tiny_model("llama")
     model.config.logit_scale = 0.5  # what Cohere's forward multiplies the logits by

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from hf_sp_trainer import apply_sequence_parallel
-from hf_sp_trainer.attention import validate_model_for_sp
-from hf_sp_trainer.layer_configs import AttentionShape, attention_shapes, head_counts
+from hf_sp_trainer.integrations.throughput import attention_geometry
+from hf_sp_trainer.model.heads import AttentionShape, attention_shapes, head_counts
 from hf_sp_trainer.planner import ModelShape
-from hf_sp_trainer.throughput import attention_geometry
+from hf_sp_trainer.validate import validate_model_for_sp
 from tests.harness import Case, check_sp_case, sp_runs_by_world, tiny_model
 
 TOL = 1e-5

@@ -32,7 +32,7 @@ def test_media_layouts() -> None:
     count, the feature rows counted once encoded; LLaVA-OneVision's (tiles only in single-image examples) and
     Idefics3's images per example are refused by name."""
     from hf_sp_trainer import SPMultimodalCollator
-    from hf_sp_trainer.multimodal.parts import token_ids, vlm_base
+    from hf_sp_trainer.model.vlm import token_ids, vlm_base
 
     expected = {
         ("qwen2_vl", "image"): ([16, 24], [4, 6], [0, 1], [1, 1]),
@@ -80,8 +80,8 @@ def test_a_video_split_by_frame_gets_a_grid_row_per_part() -> None:
 def test_split_layouts_are_the_proven_ones() -> None:
     """Every video encoder split by frame has a "one_video" split case in the sp-2 matrix, every per-image layout a
     split case on images, and only those."""
+    from hf_sp_trainer.model.vlm import vlm_base
     from hf_sp_trainer.multimodal.media_split import FRAME_BASES, PER_IMAGE_BASES, POSITION_BASES, TILE_BASES
-    from hf_sp_trainer.multimodal.parts import vlm_base
     from tests.test_multimodal import SP2
 
     def bases(cases) -> set[str]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from hf_sp_trainer.attention import validate_model_for_sp
-from hf_sp_trainer.attention.ulysses import _decoder
 from hf_sp_trainer.mixers import check_sequence_mixers, sequence_mixers
-from hf_sp_trainer.mixers.detect import covered_mixers
+from hf_sp_trainer.model.decoder import forward_decoder
+from hf_sp_trainer.model.mixers import covered_mixers
+from hf_sp_trainer.validate import validate_model_for_sp
 from tests.family_harness import build_model
 
 REFUSED = {  # model type, class: what the error must name
@@ -91,8 +91,8 @@ def test_layer_types_alone_are_enough() -> None:
 
 def test_hook_sits_where_the_attention_kwargs_flow() -> None:
     """OPTForCausalLM calls ``model.decoder`` directly: the pre-hook must be on the decoder, not on ``model``."""
-    assert type(_decoder(build_model("opt", "OPTForCausalLM"))).__name__ == "OPTDecoder"
-    assert type(_decoder(build_model("llama", "LlamaForCausalLM"))).__name__ == "LlamaModel"
+    assert type(forward_decoder(build_model("opt", "OPTForCausalLM"))).__name__ == "OPTDecoder"
+    assert type(forward_decoder(build_model("llama", "LlamaForCausalLM"))).__name__ == "LlamaModel"
 
 
 def test_use_kernels_refused() -> None:
@@ -123,15 +123,3 @@ def test_pure_mamba2_refused_clearly() -> None:
     assert {type(model.get_submodule(c)).__name__ for c in covered_mixers(model)} == {"Mamba2Mixer"}
     with pytest.raises(ValueError, match="no attention heads"):
         validate_model_for_sp(model, 2)
-
-
-@pytest.mark.slow  # a fresh interpreter
-def test_modules_import_on_their_own() -> None:
-    """The attention imports ``mixers.detect`` and the mixers import the attention: no import cycle, whichever
-    module a script imports first."""
-    import subprocess
-    import sys
-
-    code = "import hf_sp_trainer.attention.ulysses, hf_sp_trainer.mixers.swap"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_sp_trainer.attention.ulysses import BOUNDS_KWARG
+from hf_sp_trainer.documents import BOUNDS_KWARG, SP_KWARG
 from hf_sp_trainer.mixers.swap import MODULE_ENTRIES, _lightning_ok, check_module
 from tests.mixer_harness import lightning_layer
 
@@ -75,11 +75,12 @@ def test_forward_without_sp_is_transformers() -> None:
     x = torch.randn(1, 9, 16)
     with torch.no_grad():
         assert torch.equal(entry(layer, x, None, None)[0], forward(layer, x, None, None)[0])
-    from hf_sp_trainer.mixers.swap import attach_mixers, release_mixers
+    from hf_sp_trainer.documents import DocumentHook
+    from hf_sp_trainer.mixers.swap import attach_mixers
+    from hf_sp_trainer.sharding import SequenceSharding
 
-    attach_mixers(torch.nn.Sequential(layer), None)
-    try:
-        with pytest.raises(ValueError, match="without a cache"):
-            entry(layer, x, attention_mask=None, cache=object(), **{BOUNDS_KWARG: torch.tensor([0, 9])})
-    finally:
-        release_mixers()
+    documents = DocumentHook(None, SequenceSharding(1))
+    attach_mixers(torch.nn.Sequential(layer), documents)
+    sp = {BOUNDS_KWARG: torch.tensor([0, 9]), SP_KWARG: documents.context}
+    with pytest.raises(ValueError, match="without a cache"):
+        entry(layer, x, attention_mask=None, cache=object(), **sp)

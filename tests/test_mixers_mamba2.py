@@ -9,7 +9,7 @@ import functools
 import torch
 from transformers.models.bamba import modeling_bamba as bamba
 
-from hf_sp_trainer.attention.ulysses import BOUNDS_KWARG
+from hf_sp_trainer.documents import BOUNDS_KWARG
 from hf_sp_trainer.mixers.swap import ENTRIES, _mamba2_ok
 
 CLAMP = (0.05, 0.3)  # a time_step_limit that bites on both sides (softplus(dt + dt_bias) spans about 0.03 to 0.5)

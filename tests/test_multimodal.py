@@ -390,7 +390,7 @@ def test_collator_types_shared_placeholders_by_the_examples_media() -> None:
     """GLM-4V's video frames sit at the image token: the collator types them by the example's media (its own
     ``get_rope_index`` needs that), and refuses an example holding both."""
     from hf_sp_trainer import SPMultimodalCollator
-    from hf_sp_trainer.multimodal.parts import token_ids
+    from hf_sp_trainer.model.vlm import token_ids
 
     model = build_vlm("glm4v")
     assert token_ids(model) == {"image": IMG, "video": IMG}
@@ -449,20 +449,20 @@ def test_sharding_keeps_media_whole_and_splits_rope_rows() -> None:
 def test_vision_tower_never_runs_sp_attention() -> None:
     """The SP attention refuses a module outside every text decoder it was attached to (a vision block), before any
     communication; attaching leaves the vision tower on its own kernel."""
-    from hf_sp_trainer.attention.ulysses import UlyssesAttention, _text_only
+    from hf_sp_trainer.attention.ulysses import _text_only, sp_attention
 
     model = build_vlm("qwen2_vl")
     assert _text_only(model, "ulysses_sp") == {"text_config": "ulysses_sp", "vision_config": "sdpa"}
     block = model.model.visual.blocks[0].attn
     q = torch.zeros(1, 4, 8, 8)
     with pytest.raises(RuntimeError, match="not part of a text decoder"):
-        UlyssesAttention(None, None, "sdpa")(block, q, q, q, None)
+        sp_attention(block, q, q, q, None)
 
 
 def test_only_proven_vlms_pass_the_checks() -> None:
     """Every image-text-to-text family is refused or can't build, except those this file's matrix proves exact; and
     every VLM base model SP accepts (``multimodal.parts.VERIFIED``) has cases in the matrix."""
-    from hf_sp_trainer.multimodal.parts import VERIFIED, vlm_base
+    from hf_sp_trainer.model.vlm import VERIFIED, vlm_base
     from tests.multimodal_harness import FAMILIES, classify_vlms
 
     rows = classify_vlms()
@@ -494,7 +494,7 @@ def test_refused_vlms(family: str) -> None:
 def test_gemma3_checks_its_block_kernels() -> None:
     """Gemma3's images run on the block kernels, with or without a ring (4 heads: sp 8 is ulysses 4 x ring 2): a
     kernel without a log-sum-exp, or attention dropout, which those kernels lack, is refused before any collective."""
-    from hf_sp_trainer.attention.ulysses import validate_model_for_sp
+    from hf_sp_trainer.validate import validate_model_for_sp
 
     model = build_vlm("gemma3")
     assert validate_model_for_sp(model, 4) == (4, 1) and validate_model_for_sp(model, 8) == (4, 2)
@@ -559,7 +559,7 @@ def test_llama4_forward_needs_the_tuple_path() -> None:
     model's output has no ``image_outputs``), on one device, so the matrix and the Trainer case run its tuple path
     (``tests/multimodal_llama4.py``). When this fails, upstream fixed it: run Llama-4 through the dict path (drop
     ``config.return_dict = False`` and ``with_return_dict``)."""
-    from hf_sp_trainer.multimodal.parts import feature_field
+    from hf_sp_trainer.model.vlm import feature_field
 
     model = build_vlm("llama4")
     example = make_examples(LAYOUTS["padded"][:1], "llama4")[0]

@@ -70,8 +70,8 @@ def test_hook_positions_are_the_models_own_and_need_token_types() -> None:
     before any collective), as the model's own forward does."""
     import torch
 
-    from hf_sp_trainer.multimodal.parts import vlm_base
-    from hf_sp_trainer.preference.hooks import LogProbHooks
+    from hf_sp_trainer.model.vlm import vlm_base
+    from hf_sp_trainer.trainers.scoring.hooks import LogProbHooks
     from tests.multimodal_harness import LAYOUTS, build_vlm, make_examples, pad_rows
 
     model = build_vlm("qwen2_vl")

@@ -332,7 +332,7 @@ def bench_vlm_shape() -> ModelShape:
     from bench_vlm_memory import vlm_config
 
     from hf_sp_trainer.cli.plan import vision_params
-    from hf_sp_trainer.planner_vision import VisionShape
+    from hf_sp_trainer.planner.vision import VisionShape
 
     config = vlm_config()
     return replace(ModelShape.from_config(config, "vlm"), vision=VisionShape.from_config(config, vision_params(config)))

@@ -6,7 +6,6 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
-from hf_sp_trainer.attention.layout import DocumentLayout
 from hf_sp_trainer.attention.position_rules import (
     CHUNK_MARK,
     TEMPERATURE_MARK,
@@ -17,6 +16,7 @@ from hf_sp_trainer.attention.position_rules import (
     position_rules,
     retune_temperature,
 )
+from hf_sp_trainer.documents import DocumentLayout
 from tests.harness import tiny_model
 from tests.test_length_settings import LONGROPE
 

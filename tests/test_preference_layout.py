@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from hf_sp_trainer.preference.layout import (
+from hf_sp_trainer.sharding import SequenceSharding
+from hf_sp_trainer.trainers.scoring.layout import (
     last_token_slots,
     pack_and_shard,
     real_token_mask,
     scatter_to_grid,
     token_slots,
 )
-from hf_sp_trainer.sharding import SequenceSharding
 
 
 def padded_batch():

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from hf_sp_trainer.attention.block_attention import block_backward, block_forward, check_kernel
 from hf_sp_trainer.attention.ring import merge_block, ring_attention
-from hf_sp_trainer.attention.zigzag import (
+from hf_sp_trainer.sharding.zigzag import (
     contiguous_ranges,
     measure_work,
     plan_ring,
@@ -45,7 +45,7 @@ def visibility(segments: list[list[tuple[int, int]]], seq: int, window: int | No
 
 def random_images(rng: random.Random, rows: int, seq: int) -> list[tuple[int, int, int]]:
     """Runs of image tokens as the collator's ``token_type_ids`` make them (``image_blocks``), crossing documents."""
-    from hf_sp_trainer.attention.image_blocks import image_blocks
+    from hf_sp_trainer.sharding.image_blocks import image_blocks
 
     types = torch.tensor([[int(rng.random() < 0.4) for _ in range(seq)] for _ in range(rows)])
     return [tuple(b) for b in image_blocks(types).tolist()]
@@ -359,7 +359,7 @@ RINGS = (1, 2, 4)
 
 
 def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    from hf_sp_trainer.attention import all_gather_along
+    from hf_sp_trainer.comm import all_gather_along
 
     return x if group is None else all_gather_along(x, dim, group)
 

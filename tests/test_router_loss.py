@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hf_sp_trainer.router_loss import computes_the_formula, router_sums
+from hf_sp_trainer.losses.router import computes_the_formula, router_sums
 from tests.harness import (
     Case,
     assert_within,

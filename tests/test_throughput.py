@@ -11,8 +11,8 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DataCollatorWithFlattening, TrainerControl, TrainerState
 
-from hf_sp_trainer import throughput
-from hf_sp_trainer.throughput import (
+from hf_sp_trainer.integrations import throughput
+from hf_sp_trainer.integrations.throughput import (
     ThroughputCallback,
     add_throughput_callback,
     attention_geometry,
@@ -126,7 +126,7 @@ def test_sequence_parallel_pairs():
     """Under SP the pairs come from the whole sequence's layout, divided over the SP ranks."""
     layout = SimpleNamespace(segments=[[(0, 3), (3, 8)]])
     sp = SimpleNamespace(layout=layout, topology=SimpleNamespace(sp_size=2))
-    counter = throughput._Counter(count_pairs=True, sp_attention=sp)
+    counter = throughput._Counter(count_pairs=True, documents=sp)
     module = torch.nn.Linear(1, 1)
     counter(module, (), {"input_ids": torch.zeros(1, 4, dtype=torch.long)}, None)  # a shard of 4 tokens
     assert counter.tokens == 4 and counter.pairs() == 21 / 2

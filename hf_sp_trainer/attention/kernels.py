@@ -22,7 +22,7 @@ from transformers.masking_utils import (
     sliding_window_causal_mask_function,
 )
 
-from .layout import DocumentLayout
+from ..documents import DocumentLayout
 
 # Keyword arguments describing the local shard's packing; the kernel gets full-sequence ones instead.
 _SHARD_ONLY_KWARGS = ("position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")

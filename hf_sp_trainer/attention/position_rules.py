@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .layout import DocumentLayout
+from ..documents import DocumentLayout
 
 CHUNK_MARK = "_hf_sp_attention_chunk"  # on the modules of chunked-attention layers: the chunk size
 TEMPERATURE_MARK = "_hf_sp_nope_temperature"  # on NoPE attention modules with temperature tuning: (floor, scale)

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _resolve_process_group
 
+from ..comm.ring_shift import GRAD_TAG, KV_TAG, ring_shift
+from ..sharding.zigzag import BlockTask, RingPlan, plan_ring
 from .block_attention import acc_dtype, block_backward, block_forward, check_kernel
-from .ring_comm import GRAD_TAG, KV_TAG, ring_shift
-from .zigzag import BlockTask, RingPlan, plan_ring
 
 
 def _ring(group: dist.ProcessGroup | None) -> tuple[int, int]:

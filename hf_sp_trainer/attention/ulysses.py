@@ -10,46 +10,24 @@ forward step by a pre-hook on the decoder.
 
 from __future__ import annotations
 
-import inspect
 import math
-import weakref
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.modeling_layers import GradientCheckpointingLayer
 
-from ..layer_configs import attention_shapes, head_counts
-from ..mixers.detect import check_sequence_mixers, uses_attention_registry
-from ..multimodal.parts import (
-    check_multimodal,
-    encoder_config_keys,
-    image_block_rule,
-    is_multimodal,
-    text_decoder,
-    uses_image_blocks,
-)
-from ..sharding import SequenceSharding, check_sp_padding
-from ..topology import SPTopology, split_sp_size
-from .all_to_all import all_gather_along, all_to_all
-from .block_attention import check_kernel
-from .image_blocks import IMAGE_BLOCKS_KWARG, IMAGE_BLOCKS_MARK, mark_image_block_layers
+from ..comm import all_to_all
+from ..documents import BOUNDS_KWARG, SP_KWARG, DocumentHook, detach_documents, document_bounds
+from ..model.vlm import encoder_config_keys, image_block_rule, is_multimodal, text_decoder
+from ..sharding import SequenceSharding
+from ..sharding.image_blocks import IMAGE_BLOCKS_KWARG, IMAGE_BLOCKS_MARK, mark_image_block_layers
+from ..topology import SPTopology
 from .kernels import is_varlen_kernel, resolve_kernel, run_kernel
-from .layout import DocumentLayout
-from .position_rules import (
-    CHUNK_MARK,
-    WholeSequenceRope,
-    chunk_layout,
-    mark_position_rules,
-    position_rules,
-    retune_temperature,
-)
-from .ring import autocast_like_sdpa, document_bounds, ring_attention
+from .position_rules import CHUNK_MARK, WholeSequenceRope, chunk_layout, mark_position_rules, retune_temperature
+from .ring import autocast_like_sdpa, ring_attention
 
 ULYSSES_KEY = "ulysses_sp"  # must contain neither "flash" nor "sdpa": those trigger special loading paths
 VARLEN_KEY = "varlen"  # torch's own varlen flash attention (CUDA): one kernel call per layer for all documents
-BOUNDS_KWARG = "sp_document_bounds"  # passed by the decoder pre-hook down to every attention call
-_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> its gathering pre-hook, rope hooks
 DECODER_MARK = "_hf_sp_text_decoder"  # set on every module of a text decoder SP is attached to (survives deepcopy)
 
 
@@ -66,98 +44,30 @@ class _KVGroupsView:
         return getattr(self._module, name)
 
 
-class _ContiguousOutput:
-    """The registered attention: ``UlyssesAttention`` with its output contiguous, as transformers' own kernels return
-    it (the inverse all-to-all gives a strided view; JetMoE and AfMoE ``.view`` the output; free for the models that
-    reshape it anyway), and the module's own ``sliding_window`` when the model puts it only in the mask SP drops
-    (Qwen2-MoE). Every other attribute is the ``UlyssesAttention``'s."""
-
-    def __init__(self, attention: UlyssesAttention):
-        self._attention = attention
-
-    def __call__(self, module, *args, **kwargs):
-        if "sliding_window" not in kwargs and getattr(module, "sliding_window", None):  # an explicit None stays
-            kwargs["sliding_window"] = module.sliding_window
-        out, weights = self._attention(module, *args, **kwargs)
-        return out.contiguous(), weights
-
-    def __getattr__(self, name):
-        return getattr(self._attention, name)
+def sp_attention(module, query, key, value, attention_mask, **kwargs):
+    """The attention function registered under ``ULYSSES_KEY``: the ``UlyssesAttention`` of the model being run (its
+    decoder pre-hook passes it in ``SP_KWARG``), so models with different splits share one process. The output is
+    contiguous, as transformers' own kernels return it (the inverse all-to-all gives a strided view; JetMoE and AfMoE
+    ``.view`` it), and the module's own ``sliding_window`` is passed where the model puts it only in the mask SP drops
+    (Qwen2-MoE)."""
+    context = kwargs.pop(SP_KWARG, None)
+    if not getattr(module, DECODER_MARK, False):  # e.g. a VLM's vision tower reached by a shared sub-config key
+        raise RuntimeError(
+            f"SP attention was called by {type(module).__name__}, which is not part of a text decoder SP was "
+            "attached to; encoders must keep their own attention kernel."
+        )
+    attention = (context or {}).get("attention")
+    if attention is None or kwargs.get(BOUNDS_KWARG) is None:
+        raise RuntimeError("SP attention was called outside a forward of the model it was attached to.")
+    if "sliding_window" not in kwargs and getattr(module, "sliding_window", None):  # an explicit None stays
+        kwargs["sliding_window"] = module.sliding_window
+    out, weights = attention(module, query, key, value, attention_mask, **kwargs)
+    return out.contiguous(), weights
 
 
 def kv_replication(num_kv_heads: int, sp_size: int) -> int:
     """How often each kv head is repeated so that the kv heads split evenly over ``sp_size`` ranks."""
     return math.lcm(num_kv_heads, sp_size) // num_kv_heads
-
-
-def validate_model_for_sp(
-    model: PreTrainedModel, sp_size: int, ring_size: int | None = None, kernel: str | None = None
-) -> tuple[int, int]:
-    """Raise a ``ValueError`` (the same on every rank, before any collective) if ``model`` can't run SP; else return
-    the ``(ulysses, ring)`` split of ``sp_size`` for its heads."""
-    name = type(model).__name__
-    if not uses_attention_registry(model):
-        raise ValueError(
-            f"{name} computes attention without the transformers attention registry (AttentionInterface), so "
-            f"sequence parallelism (sp_size={sp_size}) can't be plugged in. Use a model whose class sets "
-            "`_supports_attention_backend = True` (Llama, Qwen2/3, Mistral, Gemma, Phi3, ...) or sp_size=1."
-        )
-    check_multimodal(model, sp_size)
-    check_sequence_mixers(text_decoder(model), sp_size)  # a VLM's encoders keep their own kernels
-    position_rules(text_decoder(model), model.config.get_text_config())  # Llama-4's chunks and NoPE temperature
-    shapes = attention_shapes(model.config)
-    if not shapes:  # a pure state-space model (Mamba2ForCausalLM)
-        raise ValueError(
-            f"{name} has no attention heads: hf_sp_trainer splits sp_size over them (sp_size={sp_size}); SP for models "
-            "without attention is not supported yet. Use sp_size=1 for this model."
-        )
-    for i, shape in enumerate(shapes):
-        if shape.heads % shape.kv_heads:
-            raise ValueError(
-                f"{name} layer {i} has {shape.heads} query heads, not a multiple of its {shape.kv_heads} kv heads."
-            )
-    heads, _ = head_counts(model.config)
-    check_sinks(model)
-    ulysses, ring = split_sp_size(sp_size, heads, ring_size)
-    kernel = kernel or model.config._attn_implementation
-    if kernel == ULYSSES_KEY:
-        raise ValueError(f"The inner attention kernel can't be {ULYSSES_KEY!r} itself: set sp_attn_implementation.")
-    images = uses_image_blocks(model)  # their extra pairs run on the block kernels, as a ring does
-    if ring > 1 or kernel == VARLEN_KEY or images:
-        try:
-            check_kernel(kernel, model.device, getattr(model.config.get_text_config(), "attn_logit_softcapping", None))
-        except ValueError as exc:
-            how = f"sp_size={sp_size} runs as ulysses {ulysses} x ring {ring} for {name}'s {heads} query heads"
-            if images:
-                how = f"{name}'s image tokens see their whole image, which SP computes with its block kernels"
-            alt = "" if images else f", or choose an sp_size dividing {heads}"
-            raise ValueError(f"{how}: {exc} (sp_attn_implementation){alt}.") from exc
-        dropout = getattr(model.config.get_text_config(), "attention_dropout", 0.0)
-        if images and dropout:
-            raise ValueError(
-                f"{name}'s image tokens see their whole image, which SP computes with its block kernels, and those "
-                f"have no attention dropout (attention_dropout={dropout}); set it to 0 to train with sp_size={sp_size}."
-            )
-    return ulysses, ring
-
-
-def check_sinks(model: torch.nn.Module) -> None:
-    """Attention sinks run exactly in their per-head form (a learned logit per query head, ``sinks [heads]``:
-    gpt-oss, flint, granite-swa, mimo-v2-flash, ...); refuse the other forms (per-token sinks computed from the
-    hidden states, e.g. inkling2's ``sink_proj``) before any collective."""
-    name = type(model).__name__
-    for path, m in model.named_modules():
-        if hasattr(m, "sink_proj"):
-            raise ValueError(
-                f"{name}.{path} computes per-token attention sinks (sink_proj); SP supports only per-head sink "
-                "parameters. Use sp_size=1 for this model."
-            )
-        sinks = getattr(m, "sinks", None)
-        if sinks is not None and len(getattr(sinks, "ds_shape", sinks.shape)) != 1:
-            shape = tuple(getattr(sinks, "ds_shape", sinks.shape))
-            raise ValueError(
-                f"{name}.{path}.sinks has shape {shape}; SP supports one sink logit per query head ([heads])."
-            )
 
 
 def check_no_per_token_kwargs(module, local_len: int, kwargs: dict) -> None:
@@ -185,7 +95,7 @@ def _sinks(module, kwargs: dict, heads: int) -> torch.Tensor | None:
 
 
 class UlyssesAttention:
-    """The attention function registered under ``ULYSSES_KEY`` (one per process: the last one attached).
+    """SP attention for one model (``sp_attention`` finds it through the model's ``DocumentHook``).
 
     All-to-all over the Ulysses group, then the inner kernel over the whole sequence (``ring == 1``) or ring attention
     over the ring group for this rank's ring portion, then the inverse all-to-all.
@@ -193,19 +103,12 @@ class UlyssesAttention:
 
     def __init__(self, topology: SPTopology, sharding: SequenceSharding, kernel: str):
         self.topology, self.sharding, self.kernel = topology, sharding, kernel
-        self.layout: DocumentLayout | None = None
-        self.positions: torch.Tensor | None = None  # [b, s/P]: each local token's position in its document
+        self.documents = DocumentHook(topology, sharding)  # this forward's documents and local positions
+        self.documents.context["attention"] = self
 
     # -- the attention function -------------------------------------------------------------------------------
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
-        if not getattr(module, DECODER_MARK, False):  # e.g. a VLM's vision tower reached by a shared sub-config key
-            raise RuntimeError(
-                f"SP attention was called by {type(module).__name__}, which is not part of a text decoder SP was "
-                "attached to; encoders must keep their own attention kernel."
-            )
-        bounds = kwargs.pop(BOUNDS_KWARG, None)  # the whole sequence's documents, from the decoder pre-hook
-        if bounds is None or self.layout is None:
-            raise RuntimeError("SP attention was called outside a forward of the model it was attached to.")
+        bounds = kwargs.pop(BOUNDS_KWARG)  # the whole sequence's documents, from the decoder pre-hook
         blocks = kwargs.pop(IMAGE_BLOCKS_KWARG, None)  # Gemma3's / Gemma4's images, from the media pre-hook
         if not getattr(module, IMAGE_BLOCKS_MARK, False):  # Gemma4's full-attention layers: causal throughout
             blocks = None
@@ -217,10 +120,10 @@ class UlyssesAttention:
                 f"SP attention got q {tuple(query.shape)}, k {tuple(key.shape)}, v {tuple(value.shape)}: k needs q's "
                 "head dim, v k's batch, heads and length (its head dim may differ: MLA)"
             )
-        layout = chunk_layout(self.layout, getattr(module, CHUNK_MARK, None))  # Llama-4's chunks: documents here
-        if layout is not self.layout:
+        layout = chunk_layout(self.documents.layout, getattr(module, CHUNK_MARK, None))  # Llama-4's chunks: documents
+        if layout is not self.documents.layout:
             bounds = layout.cached("bounds", lambda: document_bounds(layout.segments, layout.position_ids.shape[1]))
-        query = retune_temperature(module, query, self.positions)  # Llama-4's NoPE temperature
+        query = retune_temperature(module, query, self.documents.positions)  # Llama-4's NoPE temperature
         sinks = _sinks(module, kwargs, query.shape[1])
         if sinks is not None:  # rank u gets query heads [u * h/U, (u+1) * h/U); slice the materialised parameter
             chunk = query.shape[1] // topo.ulysses_size
@@ -274,89 +177,23 @@ class UlyssesAttention:
         """Route ``model``'s attention through this backend and gather document boundaries once per forward."""
         # transformers validates the inner kernel (installed, GPU, ...); torch's varlen is ours, with sdpa's setup
         model.set_attn_implementation(_text_only(model, self._inner_key))
-        AttentionInterface.register(ULYSSES_KEY, _ContiguousOutput(self))
+        AttentionInterface.register(ULYSSES_KEY, sp_attention)
         model.set_attn_implementation(_text_only(model, ULYSSES_KEY))
-        decoder = _decoder(model)
         for m in text_decoder(model).modules():
             setattr(m, DECODER_MARK, True)
         mark_image_block_layers(text_decoder(model), image_block_rule(model))
         mark_position_rules(text_decoder(model), model.config.get_text_config())
-        for hook in _HOOKS.pop(decoder, []):  # attached before (e.g. a second trainer on the same model): replaced
-            hook.remove()
         rope = WholeSequenceRope(self.topology.sp_group).attach(text_decoder(model))  # dynamic NTK, longrope
-        _HOOKS[decoder] = [decoder.register_forward_pre_hook(self._before_forward, with_kwargs=True), *rope]
+        self.documents.attach(model, *rope)  # replaces an earlier attach (e.g. a second trainer on the same model)
 
     def detach(self, model: PreTrainedModel) -> None:
         """Undo ``attach``: the model's attention is the inner kernel again, run on the local tokens only."""
-        for hook in _HOOKS.pop(_decoder(model), []):
-            hook.remove()
+        detach_documents(model)
         model.set_attn_implementation(_text_only(model, self._inner_key))
 
     @property
     def _inner_key(self) -> str:
         return "sdpa" if self.kernel == VARLEN_KEY else self.kernel
-
-    def _before_forward(self, module, args, kwargs):
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        tokens = input_ids if input_ids is not None else kwargs["inputs_embeds"]
-        batch, local_len = tokens.shape[:2]
-        group, sp_size = self.topology.sp_group, self.topology.sp_size
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, dict):  # per layer type, as a VLM base hands them on (Gemma3: the media pre-hook's)
-            mask = next(iter(mask.values()), None)
-        if mask is not None and mask.ndim != 2:
-            raise ValueError(
-                f"SP got a prepared {mask.ndim}-D attention mask; pass the [batch, seq] padding mask (or none): SP "
-                "builds the attention pattern from the documents' positions."
-            )
-        logits_to_keep = kwargs.get("logits_to_keep")
-        if isinstance(logits_to_keep, int) and logits_to_keep > 0:  # Gemma4's decoder would slice its last tokens
-            raise ValueError(
-                f"SP got logits_to_keep={logits_to_keep}: each rank holds part of the sequence, so its last tokens "
-                "are not the sequence's. Call the model without logits_to_keep under sequence parallelism."
-            )
-        has_padding = mask is not None and not bool(mask.bool().all())
-        # One small collective every rank always completes, so a bad input raises everywhere instead of hanging.
-        shapes = all_gather_along(
-            torch.tensor([[batch, local_len, int(has_padding)]], device=tokens.device), 0, group
-        ).tolist()
-        if any(row[:2] != shapes[0][:2] for row in shapes):
-            raise ValueError(
-                "Sequence-parallel ranks received shards of different shapes [batch, local_len]: "
-                f"{[row[:2] for row in shapes]}. Every rank of an SP group must get the same batch, split into equal "
-                "shards (SPTrainer pads the sequence to a multiple of sp_size)."
-            )
-        padded = any(row[2] for row in shapes)
-        full_len = local_len * sp_size
-        if full_len % self.sharding.multiple:
-            raise ValueError(
-                f"Sequence-parallel shards of {local_len} tokens make a sequence of {full_len}, not a multiple of "
-                f"{self.sharding.multiple} (2 x sp_size with a ring); pad the batch with SequenceSharding.shard_batch."
-            )
-        position_ids = kwargs.get("position_ids")
-        rope = None  # multimodal rotary positions [4, b, s/P]: documents come from the text row, the rest passes on
-        if position_ids is not None and position_ids.ndim == 3:
-            if position_ids.shape[0] != 4:
-                raise ValueError(
-                    f"SP got position_ids of shape {tuple(position_ids.shape)}: 3-D positions need a text row first "
-                    "([4, batch, seq], as hf_sp_trainer.SPMultimodalCollator builds them) to tell documents apart."
-                )
-            rope, position_ids = position_ids, position_ids[0]
-        if position_ids is None:
-            position_ids = self.sharding.positions(full_len, self.topology.sp_rank).to(tokens.device).unsqueeze(0)
-        position_ids = position_ids.expand(batch, -1)
-        self.positions = position_ids
-        if padded:  # only the SP padding may be masked (a document of its own at the end): checked on the full rows
-            keep = torch.ones_like(position_ids) if mask is None else mask.to(position_ids.dtype).expand(batch, -1)
-            full, full_mask = self.sharding.unshard(all_gather_along(torch.stack([position_ids, keep]), 2, group), 2)
-            check_sp_padding(full, full_mask, self.sharding.multiple)
-        else:
-            full = self.sharding.unshard(all_gather_along(position_ids, 1, group))
-        self.layout = DocumentLayout.from_position_ids(full)
-        bounds = document_bounds(self.layout.segments, full_len)
-        kwargs.update(attention_mask=None, use_cache=False, **{BOUNDS_KWARG: bounds})
-        kwargs["position_ids"] = position_ids if rope is None else rope
-        return args, kwargs
 
 
 def _text_only(model: PreTrainedModel, key: str) -> str | dict[str, str]:
@@ -366,22 +203,3 @@ def _text_only(model: PreTrainedModel, key: str) -> str | dict[str, str]:
         return key
     keep = {k: getattr(model.config, k)._attn_implementation for k in encoder_config_keys(model)}
     return {"text_config": key, **keep}
-
-
-def _decoder(model: PreTrainedModel) -> torch.nn.Module:
-    """Where the attention kwargs flow: the base model, or the module inside it that holds every decoder layer and
-    takes the tokens (OPT's ``model.decoder``, which ``OPTForCausalLM`` calls directly)."""
-    module = text_decoder(model) if is_multimodal(model) else getattr(model, model.base_model_prefix, model)
-    layers = {id(m) for m in module.modules() if isinstance(m, GradientCheckpointingLayer)}
-    while layers:
-        inner = [
-            child
-            for child in module.children()
-            if not isinstance(child, torch.nn.ModuleList)
-            and layers <= {id(m) for m in child.modules()}
-            and {"input_ids", "inputs_embeds"} & set(inspect.signature(child.forward).parameters)
-        ]
-        if not inner:
-            break
-        module = inner[0]
-    return module

@@ -28,7 +28,7 @@ def make_parser(prog: str = "hf-sp-sft", config_cls: type | None = None, script_
     ``script_args_cls``: the script arguments (default TRL's ``ScriptArguments``; GRPO / RLOO add reward options)."""
     from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser
 
-    from ..sft import SFTConfig
+    from ..trainers.sft import SFTConfig
 
     config_cls = config_cls or SFTConfig
 

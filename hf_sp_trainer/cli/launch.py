@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from .args import make_parser
 
     if any(os.environ.get(name) for name in _LAUNCHED_ENV):  # started by torchrun / accelerate / deepspeed
-        from ..distributed.teardown import exit_finished_worker
+        from ..topology.teardown import exit_finished_worker
 
         sft.worker(argv)
         exit_finished_worker()

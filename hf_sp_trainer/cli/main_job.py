@@ -77,7 +77,7 @@ def sp_retrieval(trainer, tokenizer, dataset, sp_size: int, restrict_to_shard: b
     import torch
 
     from ..data.passkey import encode_example
-    from ..trainer import unwrap_model
+    from ..trainers.base import unwrap_model
 
     model = unwrap_model(trainer.model).eval()
     if restrict_to_shard and trainer.sp is not None:
@@ -135,7 +135,7 @@ def run(training_args, model_args) -> None:
 
     from ..data import build_char_tokenizer
     from ..data.passkey import passkey_curriculum_dataset, passkey_eval_dataset, tokenize_completions
-    from ..sft import SPSFTTrainer
+    from ..trainers.sft import SPSFTTrainer
 
     start = time.time()
     sp_size, seed = training_args.sp_size, training_args.seed

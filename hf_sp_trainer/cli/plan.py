@@ -19,7 +19,7 @@ from dataclasses import asdict, replace
 
 from .. import planner
 from ..planner import GIB, MIB, ModelShape, Setting
-from ..planner_vision import VisionShape
+from ..planner.vision import VisionShape
 
 
 def load_shape(model: str) -> ModelShape:
@@ -45,7 +45,7 @@ def vision_params(config) -> int:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-    from ..multimodal.parts import text_decoder
+    from ..model.vlm import text_decoder
 
     cls = getattr(transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[config.model_type])
     with torch.device("meta"):

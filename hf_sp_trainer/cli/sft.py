@@ -31,7 +31,7 @@ def train(script_args, training_args, model_args, dataset_args, trainer_cls=None
     from trl import get_peft_config, get_quantization_config
 
     if trainer_cls is None:
-        from hf_sp_trainer.sft import SPSFTTrainer as trainer_cls
+        from hf_sp_trainer.trainers.sft import SPSFTTrainer as trainer_cls
 
     training_args.model_init_kwargs = {
         "revision": model_args.model_revision,
@@ -93,7 +93,7 @@ def worker(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    from hf_sp_trainer.distributed.teardown import exit_finished_worker
+    from hf_sp_trainer.topology.teardown import exit_finished_worker
 
     worker(sys.argv[1:])
     exit_finished_worker()

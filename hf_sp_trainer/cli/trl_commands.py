@@ -14,11 +14,11 @@ import sys
 
 # command -> (module, config, trainer)
 COMMANDS = {
-    "dpo": ("hf_sp_trainer.dpo", "DPOConfig", "SPDPOTrainer"),
-    "reward": ("hf_sp_trainer.reward", "RewardConfig", "SPRewardTrainer"),
-    "kto": ("hf_sp_trainer.kto", "KTOConfig", "SPKTOTrainer"),
-    "grpo": ("hf_sp_trainer.grpo", "GRPOConfig", "SPGRPOTrainer"),
-    "rloo": ("hf_sp_trainer.grpo", "RLOOConfig", "SPRLOOTrainer"),
+    "dpo": ("hf_sp_trainer.trainers.dpo", "DPOConfig", "SPDPOTrainer"),
+    "reward": ("hf_sp_trainer.trainers.reward", "RewardConfig", "SPRewardTrainer"),
+    "kto": ("hf_sp_trainer.trainers.kto", "KTOConfig", "SPKTOTrainer"),
+    "grpo": ("hf_sp_trainer.trainers.grpo", "GRPOConfig", "SPGRPOTrainer"),
+    "rloo": ("hf_sp_trainer.trainers.grpo", "RLOOConfig", "SPRLOOTrainer"),
 }
 ONLINE = ("grpo", "rloo")  # generate and reward: TRL's script arguments add the reward functions / model
 
@@ -99,7 +99,7 @@ def launch(command: str, argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(os.environ.get(name) for name in sft_launch._LAUNCHED_ENV):
-        from hf_sp_trainer.distributed.teardown import exit_finished_worker
+        from hf_sp_trainer.topology.teardown import exit_finished_worker
 
         worker(command, argv)
         exit_finished_worker()

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..multimodal.parts import PADDING_POSITION, PIXELS, rope_index, shared_placeholder, token_ids, uses_mrope, vlm_base
+from ..model.vlm import PADDING_POSITION, PIXELS, rope_index, shared_placeholder, token_ids, uses_mrope, vlm_base
 from ..sharding import IGNORE_INDEX, MEDIA_KEYS
 
 TOKEN_KEYS = ("input_ids", "labels", "mm_token_type_ids")

@@ -10,8 +10,8 @@ import contextlib
 
 from torch import nn
 
+from ..losses.fused import loss_only_inputs
 from .arguments import MemoryArguments
-from .fused_loss import loss_only_inputs
 
 # TRL trainers have a flag named like ours and would act on it themselves (TRL's offloading of every saved activation,
 # accelerators only); ours replaces it, so the base trainer's constructor sees it off.
@@ -38,7 +38,7 @@ def enable_memory_features(model: nn.Module, args, *, lm_loss_fused: bool = Fals
     ``fused_loss`` has nothing to do.
     """
     if getattr(args, "fused_loss", False):
-        from .fused_loss import enable_fused_loss, log_fused_by_trainer
+        from ..losses.fused import enable_fused_loss, log_fused_by_trainer
 
         if lm_loss_fused:
             log_fused_by_trainer(args)

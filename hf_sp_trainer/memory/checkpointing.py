@@ -24,8 +24,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging
 
-from ..attention.all_to_all import all_to_all_op
 from ..attention.ring import ring_attention_op
+from ..comm.all_to_all import all_to_all_op
 from .offload import HostOffload
 
 logger = logging.get_logger(__name__)

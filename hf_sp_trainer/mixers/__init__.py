@@ -1,7 +1,7 @@
 """Sequence mixers other than attention under SP: hybrid models' convolutions and linear recurrences run exactly
 (``swap.attach_mixers``: conv halo, state summaries gathered across ranks; ``documents.keep_documents_apart`` at
-sp_size 1), anything else is refused (``detect``). Only ``detect`` is imported here: the attention imports it."""
+sp_size 1). Which mixers a model has, and which are refused, is a model fact (``model.mixers``)."""
 
-from .detect import check_sequence_mixers, covered_mixers, sequence_mixers
+from ..model.mixers import check_sequence_mixers, covered_mixers, sequence_mixers
 
 __all__ = ["check_sequence_mixers", "covered_mixers", "sequence_mixers"]

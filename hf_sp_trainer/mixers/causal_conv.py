@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from transformers.activations import ACT2FN
 
-from .gather import all_gather_stack
+from ..comm.gather import all_gather_stack
 from .runs import ShardRuns
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .gather import all_gather_stack
+from ..comm.gather import all_gather_stack
 from .runs import Run, ShardRuns
 
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..attention.ulysses import BOUNDS_KWARG
+from ..documents import BOUNDS_KWARG, SP_KWARG, DocumentHook
 from ..memory.checkpointing import recompute_region
+from ..model.mixers import DECODE_ONLY_KERNELS, SP_KERNELS, SP_MODULES, covered_mixers
 from ..sharding import SequenceSharding
 from ..topology import SPTopology
 from .causal_conv import sp_causal_conv1d
-from .detect import DECODE_ONLY_KERNELS, SP_KERNELS, SP_MODULES, covered_mixers
 from .gated_deltanet import sp_chunk_gated_delta_rule
 from .lightning import lightning_forward
 from .mamba2 import run_decay, sp_mamba2_chunk_scan, step_sizes
@@ -67,16 +67,20 @@ class MixerContext:
         return shard_runs(bounds, rows, self.sharding, 0 if self.topology is None else self.topology.sp_rank)
 
 
-_CONTEXT: list[MixerContext] = []  # the SP of the last model attached (one per process, like the attention)
+def _sp_call(kwargs: dict) -> tuple[torch.Tensor | None, MixerContext | None]:
+    """The documents and the mixer context of the model being run, which its decoder pre-hook passes down (popped
+    from ``kwargs``); ``(None, None)`` outside an SP forward (no pre-hook, or cached decoding)."""
+    bounds, context = kwargs.pop(BOUNDS_KWARG, None), kwargs.pop(SP_KWARG, None)
+    mixers = (context or {}).get("mixers")
+    return (bounds, mixers) if bounds is not None and mixers is not None else (None, None)
 
 
 def _conv_entry(original: Callable) -> Callable:
     @functools.wraps(original)
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-        bounds = kwargs.get(BOUNDS_KWARG)
-        if bounds is None or not _CONTEXT:
+        bounds, ctx = _sp_call(kwargs)
+        if ctx is None:
             return original(hidden_states, weight, bias=bias, activation=activation, **kwargs)
-        ctx = _CONTEXT[-1]
         runs = ctx.runs(bounds, hidden_states.shape[0])
         with recompute_region():
             return sp_causal_conv1d(hidden_states, weight, bias, activation, runs, ctx.group)
@@ -87,12 +91,11 @@ def _conv_entry(original: Callable) -> Callable:
 def _gdn_entry(original: Callable) -> Callable:
     @functools.wraps(original)
     def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, **kwargs):
-        bounds = kwargs.pop(BOUNDS_KWARG, None)
-        if bounds is None or not _CONTEXT:
+        bounds, ctx = _sp_call(kwargs)
+        if ctx is None:
             # by keyword: with flash-linear-attention installed, ``original`` is FLA's kernel, whose 6th parameter is
             # ``scale`` (transformers' hub wrapper drops the ``chunk_size`` FLA doesn't take)
             return original(query, key, value, g=g, beta=beta, chunk_size=chunk_size, **kwargs)
-        ctx = _CONTEXT[-1]
         runs = ctx.runs(bounds, query.shape[0])
         options = {
             k: kwargs[k] for k in ("initial_state", "output_final_state", "use_qk_l2norm_in_kernel") if k in kwargs
@@ -109,12 +112,11 @@ def _gdn_entry(original: Callable) -> Callable:
 def _mamba2_entry(original: Callable) -> Callable:
     @functools.wraps(original)
     def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, **kwargs):
-        bounds = kwargs.pop(BOUNDS_KWARG, None)
-        if bounds is None or not _CONTEXT:
+        bounds, ctx = _sp_call(kwargs)
+        if ctx is None:
             return original(hidden_states, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias, **kwargs)
         if kwargs.get("initial_states") is not None or kwargs.get("return_final_states", False):
             raise ValueError("Mamba2 under sequence parallelism runs without a cache (use_cache=False).")
-        ctx = _CONTEXT[-1]
         runs = ctx.runs(bounds, hidden_states.shape[0])
         options = {k: kwargs[k] for k in ("dt_softplus", "dt_limit") if k in kwargs}
         scan = functools.partial(original, chunk_size=chunk_size)
@@ -155,12 +157,11 @@ def _lightning_entry(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def forward(self, hidden_states, *args, **kwargs):
-        bounds = kwargs.get(BOUNDS_KWARG)
-        if bounds is None or not _CONTEXT:
+        bounds, ctx = _sp_call(kwargs)
+        if ctx is None:
             return original(self, hidden_states, *args, **kwargs)
         if args or kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
             raise ValueError("Lightning attention under sequence parallelism runs without a cache (use_cache=False).")
-        ctx = _CONTEXT[-1]
         runs = ctx.runs(bounds, hidden_states.shape[0])
         mask = kwargs.get("attention_mask")
         with recompute_region():
@@ -182,17 +183,12 @@ MODULE_ENTRIES: dict[str, Callable[[Callable], Callable]] = {"MiniMaxLightningAt
 assert set(MODULE_ENTRIES) == set(SP_MODULES), "detect.SP_MODULES must name exactly the swapped classes"
 
 
-def attach_mixers(
-    model: torch.nn.Module,
-    topology: SPTopology | None,
-    sharding: SequenceSharding | None = None,
-    state_passing: str = "gather",
-) -> list[str]:
-    """Swap the SP kernels into ``model``'s modeling modules (idempotent) and make this SP the active one
-    (``topology=None``: sp_size 1, documents kept apart within the process; ``state_passing``: one of
-    ``STATE_PASSING``); returns ``module.function`` for every swapped function."""
+def attach_mixers(model: torch.nn.Module, documents: DocumentHook, state_passing: str = "gather") -> list[str]:
+    """Swap the SP kernels into ``model``'s modeling modules (idempotent) and give ``model``'s layers, through its
+    decoder pre-hook ``documents``, the context they run with (its topology: ``None`` at sp_size 1, documents kept
+    apart within the process; ``state_passing``: one of ``STATE_PASSING``); returns ``module.function`` for every
+    swapped function."""
     check_state_passing(state_passing)
-    sharding = sharding or SequenceSharding(1)
     device = _parameter_device(model)
     swapped = []
     for module_name in sorted({type(m).__module__ for m in model.modules()}):
@@ -217,7 +213,7 @@ def attach_mixers(
                 wrapped._hf_sp_original = cls.forward
                 cls.forward = wrapped
             swapped.append(f"{cls.__module__}.{cls.__name__}.forward")
-    _CONTEXT[:] = [MixerContext(topology, sharding, state_passing)]
+    documents.context["mixers"] = MixerContext(documents.topology, documents.sharding, state_passing)
     return swapped
 
 
@@ -242,11 +238,6 @@ def check_mixer_kernels(model: torch.nn.Module) -> None:
     for cls in {type(m) for m in model.modules()}:
         if cls.__name__ in MODULE_ENTRIES:
             check_module(cls, getattr(cls.forward, "_hf_sp_original", cls.forward))
-
-
-def release_mixers() -> None:
-    """No SP is active any more: the swapped kernels call transformers' own everywhere."""
-    _CONTEXT.clear()
 
 
 def _parameter_device(model: torch.nn.Module) -> torch.device:

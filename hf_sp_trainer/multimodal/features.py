@@ -17,12 +17,8 @@ import inspect
 import torch
 from transformers import PreTrainedModel
 
-from ..attention.all_to_all import all_gather_along
-from ..attention.image_blocks import IMAGE_BLOCKS_KWARG, image_blocks
-from ..sharding import SequenceSharding
-from ..topology import SPTopology
-from .media_split import encode_split
-from .parts import (
+from ..comm.all_to_all import all_gather_along
+from ..model.vlm import (
     IMAGE_BLOCK_MODELS,
     PIXELS,
     feature_field,
@@ -34,6 +30,10 @@ from .parts import (
     uses_mrope,
     vlm_base,
 )
+from ..sharding import SequenceSharding
+from ..sharding.image_blocks import IMAGE_BLOCKS_KWARG, image_blocks
+from ..topology import SPTopology
+from .media_split import encode_split
 
 # The encoder's per-patch states of the whole batch (LLaVA: every layer's): not needed past the feature selection
 _PATCH_STATES = ("last_hidden_state", "hidden_states", "attentions")

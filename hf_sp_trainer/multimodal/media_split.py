@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..mixers.gather import all_gather_stack
-from .parts import PADDING_POSITION, PIXELS, feature_field, feature_rows
+from ..comm.gather import all_gather_stack
+from ..model.vlm import PADDING_POSITION, PIXELS, feature_field, feature_rows
 
 # pixel_values [images (InternVL: tiles), C, H, W], a fixed number of features per image, each encoded alone
 PER_IMAGE_BASES = frozenset(

@@ -14,7 +14,7 @@ import inspect
 import sys
 from collections.abc import Callable, Iterator
 
-from hf_sp_trainer.mixers.detect import DECODE_ONLY_KERNELS, SP_KERNELS
+from hf_sp_trainer.model.mixers import DECODE_ONLY_KERNELS, SP_KERNELS
 
 KERNELS = SP_KERNELS + DECODE_ONLY_KERNELS
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hf_sp_trainer.memory.fused_loss import fused_linear_cross_entropy, liger_runs_on
+from hf_sp_trainer.losses.fused import fused_linear_cross_entropy, liger_runs_on
 from tests.harness import (
     assert_within,
     compare,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .sharding import IGNORE_INDEX
+from ..sharding import IGNORE_INDEX
 
 
 def check_loss_options(trainer: Any) -> None:

@@ -36,9 +36,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from .planner_mixers import check_modeled_layers, mixer_fixed, mixer_per_token
-from .planner_vision import VisionShape, vision_memory
-from .topology import split_sp_size
+from ..topology import split_sp_size
+from .mixers import check_modeled_layers, mixer_fixed, mixer_per_token
+from .vision import VisionShape, vision_memory
 
 GIB, MIB = 2**30, 2**20
 # -- the model's constants ---------------------------------------------------------------------------------------------

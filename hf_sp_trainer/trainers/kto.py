@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import trl
 
+from ..memory import MemoryArguments
 from .arguments import SequenceParallelArguments
-from .memory import MemoryArguments
-from .preference.mixin import PreferenceSPMixin, refuse_precomputed_reference
+from .scoring.mixin import PreferenceSPMixin, refuse_precomputed_reference
 
 
 @dataclass

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import trl
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling, DataCollatorForVisionLanguageModeling
 
+from ..collators.multimodal import SPMultimodalCollator, SPVisionSFTCollator
+from ..memory import MemoryArguments
 from .arguments import SequenceParallelArguments
-from .collators.multimodal import SPMultimodalCollator, SPVisionSFTCollator
-from .memory import MemoryArguments
-from .trainer import SequenceParallelMixin, unwrap_model
+from .base import SequenceParallelMixin, unwrap_model
 
 
 @dataclass

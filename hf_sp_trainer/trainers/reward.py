@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 import trl
 
+from ..memory import MemoryArguments
 from .arguments import SequenceParallelArguments
-from .memory import MemoryArguments
-from .preference.hooks import RewardHooks
-from .preference.mixin import PreferenceSPMixin
+from .scoring.hooks import RewardHooks
+from .scoring.mixin import PreferenceSPMixin
 
 
 @dataclass

@@ -14,7 +14,7 @@ import inspect
 import torch
 from transformers import PreTrainedModel
 
-from ..attention.image_blocks import ImageBlockRule
+from ..sharding.image_blocks import ImageBlockRule
 
 PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}  # each modality's pixel input of the base model
 PADDING_POSITION = -1  # Gemma4's image / video_position_ids at padding patches

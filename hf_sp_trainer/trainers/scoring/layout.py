@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..sharding import IGNORE_INDEX, SequenceSharding
+from ...sharding import IGNORE_INDEX, SequenceSharding
 
 
 @dataclass

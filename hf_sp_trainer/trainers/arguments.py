@@ -7,11 +7,11 @@ from functools import cached_property
 
 import transformers
 
-from .distributed import cpu_backend
-from .distributed.accelerate_sp import route_accelerate_sp
-from .memory import MemoryArguments
-from .mixers.swap import STATE_PASSING, check_state_passing
-from .topology import check_ring_size, check_world
+from ..integrations import cpu_backend
+from ..integrations.accelerate_sp import route_accelerate_sp
+from ..memory import MemoryArguments
+from ..mixers.swap import STATE_PASSING, check_state_passing
+from ..topology import check_ring_size, check_world
 
 
 @dataclass

@@ -8,7 +8,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .planner import ModelShape
+    from .memory_model import ModelShape
 
 GDN_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule chunk size
 LAYER_TYPE_FIELDS = ("layer_types", "layers_block_type", "block_types", "layers_type", "hybrid_override_pattern")

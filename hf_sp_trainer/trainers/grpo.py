@@ -18,11 +18,11 @@ import torch.distributed as dist
 import transformers
 import trl
 
+from ..memory import MemoryArguments
 from .arguments import SequenceParallelArguments
-from .memory import MemoryArguments
-from .preference.hooks import LogProbHooks
-from .preference.mixin import PreferenceSPMixin, refuse
-from .trainer import unwrap_model
+from .base import unwrap_model
+from .scoring.hooks import LogProbHooks
+from .scoring.mixin import PreferenceSPMixin, refuse
 
 
 class PolicyLogProbHooks(LogProbHooks):

@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..multimodal.parts import rope_index, uses_mrope, vlm_base
-from ..parallel import SequenceParallel
-from ..router_loss import RouterLoss
-from ..sharding import MEDIA_KEYS
+from ...comm.reduce import sequence_all_reduce
+from ...losses.router import RouterLoss
+from ...model.vlm import rope_index, uses_mrope, vlm_base
+from ...parallel import SequenceParallel
+from ...sharding import MEDIA_KEYS
 from .layout import PackedShard, last_token_slots, pack_and_shard, real_token_mask, scatter_to_grid, token_slots
-from .reduce import sequence_all_reduce
 
 _LOGPROB_FIELDS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
 _BOOL_FIELDS = ("is_top1", "label_mask")

@@ -139,7 +139,7 @@ class SequenceSharding:
         """Global position of each position of the SP-rank-major concatenated shards; None: the identity."""
         if self.ring_size == 1:
             return None
-        from .attention.zigzag import zigzag_permutation
+        from .zigzag import zigzag_permutation
 
         return zigzag_permutation(length, self.ring_size)
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..attention import validate_model_for_sp
-from ..multimodal.features import MediaFeatures
-from ..multimodal.parts import is_multimodal
-from ..trainer import SequenceParallelMixin, unwrap_model
+from ...model.vlm import is_multimodal
+from ...multimodal.features import MediaFeatures
+from ...validate import validate_model_for_sp
+from ..base import SequenceParallelMixin, unwrap_model
 from .hooks import LogProbHooks
 
 
@@ -92,7 +92,7 @@ class PreferenceSPMixin(SequenceParallelMixin):
             if is_multimodal(ref):  # its own encoder, the same placeholder rows per rank
                 self._sp_ref_media = MediaFeatures(ref, topo, self.sp.sharding, args.sp_split_media)
             if args.tiled_mlp:  # the reference runs at the same sequence length as the policy
-                from ..memory.tiled_mlp import apply_tiled_mlp
+                from ...memory.tiled_mlp import apply_tiled_mlp
 
                 apply_tiled_mlp(ref, args.tiled_mlp_num_shards)
             self._sp_hooks.append(self._sp_hook(ref))

@@ -32,7 +32,8 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import DefaultFlowCallback
 from transformers.utils import logging
 
-from .layer_configs import attention_shapes
+from ..documents import DocumentHook, attached_documents
+from ..model.heads import attention_shapes
 
 logger = logging.get_logger(__name__)
 
@@ -151,8 +152,8 @@ class _Counter:
     """Forward hook on the model: tokens (and with ``count_pairs`` attention pairs) of training forwards (training
     mode with gradients on)."""
 
-    def __init__(self, count_pairs: bool, sp_attention: Any = None):
-        self.count_pairs, self.sp_attention = count_pairs, sp_attention
+    def __init__(self, count_pairs: bool, documents: DocumentHook | None = None):
+        self.count_pairs, self.documents = count_pairs, documents
         self.reset()
 
     def reset(self) -> None:
@@ -174,11 +175,11 @@ class _Counter:
         self.tokens += shape.numel()
         if not self.count_pairs:
             return
-        layout = getattr(self.sp_attention, "layout", None)
+        layout = getattr(self.documents, "layout", None)
         position_ids = kwargs.get("position_ids")
         if layout is not None:  # SP: the whole sequence's documents, attention split evenly over the SP ranks
             pairs = sum((e - s) * (e - s + 1) / 2 for row in layout.segments for s, e in row)
-            self.pairs_host += pairs / self.sp_attention.topology.sp_size
+            self.pairs_host += pairs / self.documents.topology.sp_size
         elif position_ids is not None:
             pairs = causal_pairs(position_ids)
             self.pairs_device = pairs if self.pairs_device is None else self.pairs_device + pairs
@@ -234,18 +235,16 @@ class ThroughputCallback(TrainerCallback):
             self._handle.remove()
         self._counter = self._handle = None
         if model is not None:
-            from .attention.ulysses import ULYSSES_KEY
+            from ..attention.ulysses import ULYSSES_KEY
 
             # the transformers model under a PEFT wrapper: it sees this rank's shard (preference trainers shard in
             # a pre-hook on it)
             model = model.get_base_model() if hasattr(model, "get_base_model") else model
 
-            sp_attention = None
+            documents = None  # under SP, the whole sequence's documents of this model's forward
             if getattr(model.config, "_attn_implementation", None) == ULYSSES_KEY:
-                from transformers import AttentionInterface
-
-                sp_attention = AttentionInterface()[ULYSSES_KEY]
-            self._counter = _Counter(count_pairs=self._peak is not None, sp_attention=sp_attention)
+                documents = attached_documents(model)
+            self._counter = _Counter(count_pairs=self._peak is not None, documents=documents)
             self._handle = model.register_forward_hook(self._counter, with_kwargs=True)
             if self._peak is not None:
                 self._flops_args = (*matmul_params(model), *attention_geometry(model.config))

@@ -20,15 +20,15 @@ import transformers
 from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
 from torch import nn
 
-from .collators import SPDataCollator, SPMultimodalCollator
-from .distributed import cpu_backend, teardown
-from .loss import check_loss_options, micro_batch_loss, sp_eval_loss
-from .memory import enable_memory_features, hidden_from_base_trainer, loss_only_inputs
-from .mixers.documents import keep_documents_apart
-from .multimodal.parts import is_multimodal
-from .parallel import SequenceParallel, apply_sequence_parallel, compile_decoder_layers
-from .throughput import add_throughput_callback
-from .topology import release_groups
+from ..collators import SPDataCollator, SPMultimodalCollator
+from ..integrations import cpu_backend
+from ..integrations.throughput import add_throughput_callback
+from ..losses.sequence import check_loss_options, micro_batch_loss, sp_eval_loss
+from ..memory import enable_memory_features, hidden_from_base_trainer, loss_only_inputs
+from ..mixers.documents import keep_documents_apart
+from ..model.vlm import is_multimodal
+from ..parallel import SequenceParallel, apply_sequence_parallel, compile_decoder_layers
+from ..topology import release_groups, teardown
 
 
 def unwrap_model(model: nn.Module) -> transformers.PreTrainedModel:
@@ -222,7 +222,7 @@ class SequenceParallelMixin:
     # -- teardown -------------------------------------------------------------------------------------------------
     def end(self):
         """Finish the trackers and destroy the process groups (ours first): every rank, once, at the very end. A script
-        that doesn't call it gets the same teardown at exit (``distributed.teardown``)."""
+        that doesn't call it gets the same teardown at exit (``topology.teardown``)."""
         if dist.is_initialized():
             dist.barrier()  # gloo: nobody tears down while a peer still communicates
         release_groups()

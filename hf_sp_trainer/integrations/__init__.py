@@ -1,0 +1,2 @@
+"""Host integration: how SP composes with DDP, FSDP2 and DeepSpeed ZeRO on CPU-only machines (``cpu_backend``),
+accelerate's ways of asking for SP (``accelerate_sp``), and the throughput callback (``throughput``)."""

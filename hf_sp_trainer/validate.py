@@ -1,0 +1,86 @@
+"""Whether a model can run sequence parallelism, decided before any collective: the checks every part of SP
+(attention, hybrid mixers, VLM parts, position rules, kernels) asks of a model, and the Ulysses x ring split of
+``sp_size`` over its heads. A ``ValueError``, the same on every rank, names the values and the fix."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from .attention.block_attention import check_kernel
+from .attention.position_rules import position_rules
+from .attention.ulysses import ULYSSES_KEY, VARLEN_KEY
+from .model.heads import attention_shapes, head_counts
+from .model.mixers import check_sequence_mixers, uses_attention_registry
+from .model.vlm import check_multimodal, text_decoder, uses_image_blocks
+from .topology import split_sp_size
+
+
+def validate_model_for_sp(
+    model: PreTrainedModel, sp_size: int, ring_size: int | None = None, kernel: str | None = None
+) -> tuple[int, int]:
+    """Raise a ``ValueError`` (the same on every rank, before any collective) if ``model`` can't run SP; else return
+    the ``(ulysses, ring)`` split of ``sp_size`` for its heads."""
+    name = type(model).__name__
+    if not uses_attention_registry(model):
+        raise ValueError(
+            f"{name} computes attention without the transformers attention registry (AttentionInterface), so "
+            f"sequence parallelism (sp_size={sp_size}) can't be plugged in. Use a model whose class sets "
+            "`_supports_attention_backend = True` (Llama, Qwen2/3, Mistral, Gemma, Phi3, ...) or sp_size=1."
+        )
+    check_multimodal(model, sp_size)
+    check_sequence_mixers(text_decoder(model), sp_size)  # a VLM's encoders keep their own kernels
+    position_rules(text_decoder(model), model.config.get_text_config())  # Llama-4's chunks and NoPE temperature
+    shapes = attention_shapes(model.config)
+    if not shapes:  # a pure state-space model (Mamba2ForCausalLM)
+        raise ValueError(
+            f"{name} has no attention heads: hf_sp_trainer splits sp_size over them (sp_size={sp_size}); SP for models "
+            "without attention is not supported yet. Use sp_size=1 for this model."
+        )
+    for i, shape in enumerate(shapes):
+        if shape.heads % shape.kv_heads:
+            raise ValueError(
+                f"{name} layer {i} has {shape.heads} query heads, not a multiple of its {shape.kv_heads} kv heads."
+            )
+    heads, _ = head_counts(model.config)
+    check_sinks(model)
+    ulysses, ring = split_sp_size(sp_size, heads, ring_size)
+    kernel = kernel or model.config._attn_implementation
+    if kernel == ULYSSES_KEY:
+        raise ValueError(f"The inner attention kernel can't be {ULYSSES_KEY!r} itself: set sp_attn_implementation.")
+    images = uses_image_blocks(model)  # their extra pairs run on the block kernels, as a ring does
+    if ring > 1 or kernel == VARLEN_KEY or images:
+        try:
+            check_kernel(kernel, model.device, getattr(model.config.get_text_config(), "attn_logit_softcapping", None))
+        except ValueError as exc:
+            how = f"sp_size={sp_size} runs as ulysses {ulysses} x ring {ring} for {name}'s {heads} query heads"
+            if images:
+                how = f"{name}'s image tokens see their whole image, which SP computes with its block kernels"
+            alt = "" if images else f", or choose an sp_size dividing {heads}"
+            raise ValueError(f"{how}: {exc} (sp_attn_implementation){alt}.") from exc
+        dropout = getattr(model.config.get_text_config(), "attention_dropout", 0.0)
+        if images and dropout:
+            raise ValueError(
+                f"{name}'s image tokens see their whole image, which SP computes with its block kernels, and those "
+                f"have no attention dropout (attention_dropout={dropout}); set it to 0 to train with sp_size={sp_size}."
+            )
+    return ulysses, ring
+
+
+def check_sinks(model: torch.nn.Module) -> None:
+    """Attention sinks run exactly in their per-head form (a learned logit per query head, ``sinks [heads]``:
+    gpt-oss, flint, granite-swa, mimo-v2-flash, ...); refuse the other forms (per-token sinks computed from the
+    hidden states, e.g. inkling2's ``sink_proj``) before any collective."""
+    name = type(model).__name__
+    for path, m in model.named_modules():
+        if hasattr(m, "sink_proj"):
+            raise ValueError(
+                f"{name}.{path} computes per-token attention sinks (sink_proj); SP supports only per-head sink "
+                "parameters. Use sp_size=1 for this model."
+            )
+        sinks = getattr(m, "sinks", None)
+        if sinks is not None and len(getattr(sinks, "ds_shape", sinks.shape)) != 1:
+            shape = tuple(getattr(sinks, "ds_shape", sinks.shape))
+            raise ValueError(
+                f"{name}.{path}.sinks has shape {shape}; SP supports one sink logit per query head ([heads])."
+            )
