@@ -106,7 +106,8 @@ def models_md_problem(committed: str, text: str) -> str | None:
         )
     if text == committed:
         return None
-    diff = list(difflib.unified_diff(committed.splitlines(), text.splitlines(), "committed", "computed", n=0))
+    old, new = committed.splitlines(), text.splitlines()
+    diff = list(difflib.unified_diff(old, new, "committed", "computed", n=0, lineterm=""))
     shown = "\n".join(line[:200] for line in diff[2:62]) + ("\n..." if len(diff) > 62 else "")
     return (
         f"docs/models.md differs from the computed table (- committed, + computed):\n{shown}\n"
