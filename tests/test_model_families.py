@@ -1,8 +1,10 @@
 """Family coverage: every decoder-only causal LM of the installed transformers is exact under SP or refused with a
-clear error on every rank, never silently wrong (``tests/family_harness.py``). Writes ``docs/models.md``."""
+clear error on every rank, never silently wrong (``tests/family_harness.py``). ``test_models_md`` checks
+``docs/models.md`` against the table ``render`` makes of these outcomes; ``scripts/gen_models_md.py`` writes it."""
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections import Counter
@@ -16,6 +18,7 @@ from tests.length_crossing import KERNEL_BLOCKING, describe
 from tests.multimodal_harness import classify_vlms
 
 MODELS_MD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "models.md")
+REGENERATE = "python scripts/gen_models_md.py"
 RING_SAMPLE = ("llama", "qwen3", "gemma3_text", "gemma4_text", "mistral", "phi3", "olmo2", "qwen3_moe", "doge")
 RING_SAMPLE += ("qwen3_5_text", "lfm2", "granitemoehybrid", "zamba2", "minimax")  # hybrids: two zigzag runs per rank
 STATUSES = ("exact", "refused", "out of scope", "can't build", "wrong", "crash")
@@ -28,8 +31,8 @@ IN_SCOPE = [f for f in FAMILIES if f.out_of_scope is None]
 MOE_AUX_PENDING = "MoE router aux loss under SP (output_router_logits=True): the fix is in review on another branch"
 
 
-@pytest.fixture(scope="module")
-def outcomes() -> dict[str, dict]:
+def run_outcomes() -> dict[str, dict]:
+    """Every in-scope family at sp 2 on 2 gloo processes (default and crossed configs)."""
     names = [(f.model_type, f.class_name) for f in IN_SCOPE]
     results = run_distributed(2, run_families, names, 2, None, True, timeout=1500)
     status, payload = results[0] if isinstance(results[0], tuple) else ("ok", results[0])
@@ -37,13 +40,23 @@ def outcomes() -> dict[str, dict]:
     return payload
 
 
-@pytest.fixture(scope="module")
-def ring_outcomes() -> dict[str, dict]:
+def run_ring_outcomes() -> dict[str, dict]:
+    """The ring sample at sp 4 = Ulysses 2 x ring 2 on 4 gloo processes."""
     names = [(f.model_type, f.class_name) for f in IN_SCOPE if f.model_type in RING_SAMPLE]
     results = run_distributed(4, run_families, names, 4, 2, True, timeout=900)
     status, payload = results[0] if isinstance(results[0], tuple) else ("ok", results[0])
     assert status == "ok", f"the ring group failed: {payload}"
     return payload
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> dict[str, dict]:
+    return run_outcomes()
+
+
+@pytest.fixture(scope="module")
+def ring_outcomes() -> dict[str, dict]:
+    return run_ring_outcomes()
 
 
 def _check(outcomes: dict[str, dict], model_type: str) -> None:
@@ -75,16 +88,46 @@ def test_ring_sample_is_exact_or_refused(model_type: str, ring_outcomes: dict[st
 
 @pytest.mark.slow
 def test_models_md(outcomes: dict[str, dict], ring_outcomes: dict[str, dict]) -> None:
-    """The table in ``docs/models.md``: checked against the committed one for the same transformers version, else
-    (or with ``HF_SP_WRITE_MODELS_MD=1``) rewritten."""
-    text = render(outcomes, ring_outcomes, classify_vlms())
+    """``docs/models.md`` is the table these outcomes give, for the installed transformers; never rewritten here."""
     committed = open(MODELS_MD).read() if os.path.exists(MODELS_MD) else ""
+    problem = models_md_problem(committed, render(outcomes, ring_outcomes, classify_vlms()))
+    assert problem is None, problem
+
+
+def models_md_problem(committed: str, text: str) -> str | None:
+    """Why the committed ``docs/models.md`` isn't ``text`` (the version it records, then the differing lines), or
+    None when they are equal."""
     version = re.search(r"transformers (\S+)\*\*", committed)
-    if os.environ.get("HF_SP_WRITE_MODELS_MD") == "1" or not version or version[1] != transformers.__version__:
-        with open(MODELS_MD, "w") as f:
-            f.write(text)
-        return
-    assert text == committed, "docs/models.md is stale: rerun with HF_SP_WRITE_MODELS_MD=1 and commit it"
+    recorded = version[1] if version else "no version"
+    if recorded != transformers.__version__:
+        return (
+            f"docs/models.md records transformers {recorded}, the installed one is {transformers.__version__}: "
+            f"regenerate it with `{REGENERATE}` and commit it"
+        )
+    if text == committed:
+        return None
+    old, new = committed.splitlines(), text.splitlines()
+    diff = list(difflib.unified_diff(old, new, "committed", "computed", n=0, lineterm=""))
+    shown = "\n".join(line[:200] for line in diff[2:62]) + ("\n..." if len(diff) > 62 else "")
+    return (
+        f"docs/models.md differs from the computed table (- committed, + computed):\n{shown}\n"
+        f"Regenerate it with `{REGENERATE}` and commit it"
+    )
+
+
+def test_models_md_problem() -> None:
+    """The check's messages: a recorded transformers version other than the installed one, then the lines that
+    differ, each with the command that regenerates the file."""
+    committed = open(MODELS_MD).read()
+    assert models_md_problem(committed, committed) is None
+    other = committed.replace(f"transformers {transformers.__version__}**", "transformers 0.0.1**", 1)
+    assert f"records transformers 0.0.1, the installed one is {transformers.__version__}" in models_md_problem(
+        other, committed
+    )
+    changed = committed.replace("| `llama` | LlamaForCausalLM | exact |", "| `llama` | LlamaForCausalLM | wrong |", 1)
+    problem = models_md_problem(committed, changed)
+    assert "-| `llama` | LlamaForCausalLM | exact |" in problem and "+| `llama` | LlamaForCausalLM | wrong |" in problem
+    assert problem.endswith(f"`{REGENERATE}` and commit it")
 
 
 def _crossed(outcomes: dict[str, dict], model_type: str) -> str:
@@ -134,8 +177,8 @@ def render(outcomes: dict[str, dict], ring_outcomes: dict[str, dict], vlms: list
         f"**{len(rows)} causal-LM model types of transformers {transformers.__version__}** (vision-language models: "
         "[below](#vision-language-models))",
         "",
-        "Generated by `tests/test_model_families.py` (`HF_SP_WRITE_MODELS_MD=1 python -m pytest "
-        "tests/test_model_families.py` rewrites it): every model type of transformers' "
+        f"Generated by `{REGENERATE}` from the family suite of `tests/test_model_families.py`, whose "
+        "`test_models_md` fails when this file differs from what the suite computes: every model type of transformers' "
         "`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`, as a tiny random-init fp32 model, at sp 2 on 2 gloo processes "
         f"against the same model run document by document in one process: a packed row of documents {list(DOCS)} "
         f"and one of {LONG} tokens, the sum of token losses (plus the router aux loss where there is one) and every "
