@@ -3,11 +3,11 @@
 One real ``SPTrainer`` step (forward, backward, AdamW; after a short warm-up step) on a Qwen2-VL-shaped model
 (text: hidden 256, 4 layers; vision: patch 14, hidden 128, 2 blocks) per rank at sp 1 / 2 / 4. The row is one
 document of ``--lengths`` tokens, ``--image-share`` of them image placeholders (images of ``--grid`` patches, 4
-patches per placeholder after the 2x2 merge). Phase 1 of the VLM design: every rank encodes every image of the row,
-so the vision tower's activations do not shrink with sp, the decoder's do; ``--media split`` (phase 2,
+patches per placeholder after the 2x2 merge). Whole media, the VLM path's default: every rank encodes every image
+of the row, so the vision tower's activations do not shrink with sp, the decoder's do; ``--media split`` (split media,
 ``sp_split_media``) splits the images over the ranks instead. ``--tower frozen`` trains the decoder only (the tower
 runs under ``no_grad``), ``trained`` trains both. ``--medium video``: the placeholders are one long video instead
-(``--grid`` patches per frame side), which phase 2 splits over the ranks by frame. CPU peak = VmHWM of the measured
+(``--grid`` patches per frame side), which split media spreads over the ranks by frame. CPU peak = VmHWM of the measured
 step (glibc told to return freed memory). Writes ``vlm_memory.csv/json/png`` (videos: ``vlm_video_memory.*``) to
 ``--out``.
 
@@ -197,7 +197,7 @@ def main() -> None:
         nargs="+",
         default=["whole"],
         choices=["whole", "split"],
-        help="whole: every rank encodes all images (phase 1); split: sp_split_media (phase 2)",
+        help="whole: every rank encodes all images (whole media); split: sp_split_media (split media)",
     )
     parser.add_argument("--medium", default="image", choices=["image", "video"], help="images, or one long video")
     parser.add_argument("--image-share", type=float, default=0.5, help="the share of the row's media tokens")

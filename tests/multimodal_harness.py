@@ -660,9 +660,9 @@ LAYOUTS = {
         Doc((0, 3, 2), (("image", (1, 4, 6)), ("image", (1, 2, 2)))),
     ],
     "videos": [Doc((1, 2), (("video", (2, 4, 8)),)), Doc((1,)), Doc((2, 1), (("video", (2, 2, 2)),))],
-    # one long video (4 temporal rows) and a text document: split over the ranks by frame (phase 2, FRAME_BASES)
+    # one long video (4 temporal rows) and a text document: split over the ranks by frame (split media, FRAME_BASES)
     "one_video": [Doc((2, 3), (("video", (4, 4, 4)),)), Doc((3,))],
-    # enough media to split over 4 ranks (phase 2): five images of three sizes, two of them adjacent, two videos
+    # enough media to split over 4 ranks (split media): five images of three sizes, two of them adjacent, two videos
     "many": [
         Doc((0, 3, 2), (("image", (1, 4, 4)), ("image", (1, 2, 2)))),
         Doc((4,)),
@@ -678,7 +678,7 @@ class Case:
     layout: str
     ring: int | None = None
     frozen: bool = False  # the vision tower frozen: encoded under no_grad, only the decoder trains
-    split: bool = False  # phase 2: the media split over the SP ranks, their features exchanged
+    split: bool = False  # split media: the media split over the SP ranks, their features exchanged
     crossed: bool = False  # the text decoder's length-dependent settings under the rows (tests/length_crossing.py)
 
     @property
@@ -817,7 +817,7 @@ def train_vlm(
     """Train ``steps`` SGD steps (4 documents per micro-batch and data-parallel rank, ``ga`` micro-batches a step):
     plain ``Trainer`` with ``pad_rows`` (``sp_size=1``: one process, or DDP where spawned), else ``SPTrainer`` with its
     default (multimodal packing) collator. ``lora``: LoRA on the decoder's q/v projections, the tower frozen;
-    ``split``: ``sp_split_media`` (phase 2); ``router_loss``: an MoE decoder's load-balancing loss in the loss."""
+    ``split``: ``sp_split_media`` (split media); ``router_loss``: an MoE decoder's load-balancing loss in the loss."""
     import torch.distributed as dist
     import transformers
 
@@ -859,7 +859,7 @@ def train_vlm(
     logs = logged_steps(trainer)
     params = full_parameters(model)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    exchanged = trainer.sp.media.exchanged if sp_size > 1 else 0  # the last forward's media kinds split (phase 2)
+    exchanged = trainer.sp.media.exchanged if sp_size > 1 else 0  # the last forward's media kinds split (split media)
     out = {"losses": [x for x, _ in logs], "grad_norms": [g for _, g in logs], "exchanged": exchanged}
     return out | {"params": params if rank0 else None, "router_loss": all(a is not None for a in aux)}
 

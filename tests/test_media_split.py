@@ -1,5 +1,6 @@
-"""Phase 2 of the VLM path: the media split over the SP ranks (``multimodal/media_split.py``). Exactness against each
-document alone runs in ``tests/test_multimodal.py``'s matrix (the ``_split`` cases) and trainer cases."""
+"""Split media, the VLM path's second mode: the media split over the SP ranks (``multimodal/media_split.py``).
+Exactness against each document alone runs in ``tests/test_multimodal.py``'s matrix (the ``_split`` cases) and
+trainer cases."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Detection of sequence mixers SP can't split (``hf_sp_trainer/mixers/detect.py``) on real tiny transformers models:
+"""Detection of sequence mixers SP can't split (``hf_sp_trainer/model/mixers.py``) on real tiny transformers models:
 fast, in one process, no collective (the refusal comes before any)."""
 
 from __future__ import annotations

@@ -28,7 +28,6 @@ INERT_CROSSINGS = {"nemotron_h": "NemotronH's config has sliding_window, but its
 FAMILIES = families()
 IN_SCOPE = [f for f in FAMILIES if f.out_of_scope is None]
 # Known and being fixed elsewhere: the router aux loss of MoE models is computed on the rank's shard only.
-MOE_AUX_PENDING = "MoE router aux loss under SP (output_router_logits=True): the fix is in review on another branch"
 
 
 def run_outcomes() -> dict[str, dict]:
@@ -65,8 +64,6 @@ def _check(outcomes: dict[str, dict], model_type: str) -> None:
     for variant in ("default", "crossed"):
         outcome = outcomes[variant][model_type]
         status, detail = outcome["status"], outcome["detail"]
-        if status == "wrong" and outcome.get("aux_loss_only"):  # exact with output_router_logits=False
-            pytest.xfail(f"{MOE_AUX_PENDING}: {detail}")
         assert status in ("exact", "refused", "can't build", "nothing to cross"), f"{model_type} {variant}: {detail}"
     crossed = outcomes["crossed"][model_type]
     semantic = set(crossed.get("crossed", {})) - KERNEL_BLOCKING

@@ -86,8 +86,8 @@ SP2 = [
     Case("llama4", "mixed"),
     Case("llama4", "padded", ring=2),
     Case("llama4", "padded", frozen=True),  # the tower frozen, its projector (run after the merge) trained
-    Case("llama4", "many", split=True),  # phase 2: its tiles split over the ranks, each encoded alone
-    # phase 2: the media split over the ranks, their features exchanged
+    Case("llama4", "many", split=True),  # split media: its tiles split over the ranks, each encoded alone
+    # split media: the media split over the ranks, their features exchanged
     Case("qwen2_vl", "mixed", split=True),  # two images split, the one video's two frames too
     Case("llava", "many", split=True),
     Case("glm4v", "images", ring=2, split=True),
@@ -202,7 +202,7 @@ def sp4_results() -> dict[str, dict]:
 def test_vlm_sp2_matches_each_document_alone(case: Case, sp2_results: dict) -> None:
     result = sp2_results[case.name]
     assert result["error"] <= TOL, f"{case.name}: {result['error']:.2e} at {result['where']}"
-    assert (result["exchanged"] > 0) == case.split, result  # phase 2 ran where asked, and only there
+    assert (result["exchanged"] > 0) == case.split, result  # split media ran where asked, and only there
     if case.crossed:
         assert result["crossed"] and result["acts"] > ACTS, f"{case.name}: crossing {result['crossed']} changed nothing"
 
@@ -246,7 +246,7 @@ TRAINER_CASES = {
     "qwen2_vl_sp2_ga2": ("qwen2_vl", 2, 2, None, False, False, False),
     "qwen2_vl_lora_frozen_tower_sp2": ("qwen2_vl", 2, 2, None, True, False, False),
     "qwen3_vl_sp4_ring2_ga2": ("qwen3_vl", 4, 4, 2, False, False, False),
-    "qwen2_vl_dp2_sp2_split_media": ("qwen2_vl", 4, 2, None, False, True, False),  # phase 2 under data parallelism
+    "qwen2_vl_dp2_sp2_split_media": ("qwen2_vl", 4, 2, None, False, True, False),  # split media under data parallelism
     "gemma3_sp2_ring2_ga2": ("gemma3", 2, 2, 2, False, False, False),  # image tokens see their whole image, a ring
     "gemma4_sp2_ring2_ga2": ("gemma4", 2, 2, 2, False, False, False),  # the same on its sliding layers only
     "smolvlm_sp2_ga2": ("smolvlm", 2, 2, None, False, False, False),  # 1-D positions, the decoder at text_model
@@ -461,7 +461,7 @@ def test_vision_tower_never_runs_sp_attention() -> None:
 
 def test_only_proven_vlms_pass_the_checks() -> None:
     """Every image-text-to-text family is refused or can't build, except those this file's matrix proves exact; and
-    every VLM base model SP accepts (``multimodal.parts.VERIFIED``) has cases in the matrix."""
+    every VLM base model SP accepts (``model.vlm.VERIFIED``) has cases in the matrix."""
     from hf_sp_trainer.model.vlm import VERIFIED, vlm_base
     from tests.multimodal_harness import FAMILIES, classify_vlms
 

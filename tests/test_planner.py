@@ -364,7 +364,7 @@ def test_vlm_one_process_measurements_within_tolerance():
 
 
 def test_vlm_tower_memory_is_per_row_and_frozen_costs_less():
-    """The tower's share is the whole row's on every rank (phase 1: it doesn't shrink with sp); a frozen tower keeps
+    """The tower's share is the whole row's on every rank (whole media: it doesn't shrink with sp); a frozen tower keeps
     only the pixels, a trained one its saved activations, gradients and AdamW states too."""
     m = bench_vlm_shape()
     frozen, trained = (Setting(gpus=4, sp=4, checkpointing="none", image_share=0.5, vision_trained=t) for t in (0, 1))

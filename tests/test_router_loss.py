@@ -1,4 +1,4 @@
-"""The MoE router load-balancing loss under SP equals the single-device one (``hf_sp_trainer.router_loss``)."""
+"""The MoE router load-balancing loss under SP equals the single-device one (``hf_sp_trainer.losses.router``)."""
 
 import importlib
 import inspect

@@ -77,9 +77,9 @@ def sp_retrieval(trainer, tokenizer, dataset, sp_size: int, restrict_to_shard: b
     import torch
 
     from ..data.passkey import encode_example
-    from ..trainers.base import unwrap_model
+    from ..model.decoder import unwrap_peft
 
-    model = unwrap_model(trainer.model).eval()
+    model = unwrap_peft(trainer.model).eval()
     if restrict_to_shard and trainer.sp is not None:
         trainer.sp.detach()
     results = []

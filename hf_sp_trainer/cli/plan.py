@@ -6,7 +6,7 @@
 Prints (a) the predicted peak of one setting at ``--length`` (default: the longest length that fits) with its
 breakdown, and (b) the longest trainable length for every sp dividing ``--gpus`` (Ulysses x ring split as
 ``SPTrainer`` chooses it), ZeRO stage and memory-stack combination. Predictions of an analytical model
-(``hf_sp_trainer/planner.py``), checked against CPU measurements of ``scripts/bench_memory.py``; not GPU measurements.
+(``hf_sp_trainer/planner/``), checked against CPU measurements of ``scripts/bench_memory.py``; not GPU measurements.
 """
 
 from __future__ import annotations
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(table_lines(table)))
     overhead = planner.CUDA_OVERHEAD_GIB if setting.device == "cuda" else planner.CPU_RUNTIME_MIB * MIB / GIB
     print("\nRows add one memory-stack feature each; the last: all of them with checkpoint_policy=sequence_aware.\n"
-          f"Predictions of an analytical model (hf_sp_trainer/planner.py), not measurements (memory only, not step "
+          f"Predictions of an analytical model (hf_sp_trainer/planner/), not measurements (memory only, not step "
           f"time); {overhead:.2f} GiB of runtime / CUDA overhead assumed.")  # fmt: skip
     return 0
 

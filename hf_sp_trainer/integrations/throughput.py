@@ -33,6 +33,7 @@ from transformers.trainer_callback import DefaultFlowCallback
 from transformers.utils import logging
 
 from ..documents import DocumentHook, attached_documents
+from ..model.decoder import unwrap_peft
 from ..model.heads import attention_shapes
 
 logger = logging.get_logger(__name__)
@@ -239,7 +240,7 @@ class ThroughputCallback(TrainerCallback):
 
             # the transformers model under a PEFT wrapper: it sees this rank's shard (preference trainers shard in
             # a pre-hook on it)
-            model = model.get_base_model() if hasattr(model, "get_base_model") else model
+            model = unwrap_peft(model)
 
             documents = None  # under SP, the whole sequence's documents of this model's forward
             if getattr(model.config, "_attn_implementation", None) == ULYSSES_KEY:

@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
+from ..model.decoder import unwrap_peft
 from ..sharding import IGNORE_INDEX
 
 logger = logging.get_logger(__name__)
@@ -105,7 +106,7 @@ def enable_fused_loss(model: nn.Module) -> None:
 def has_fused_loss(model: nn.Module) -> bool:
     """Whether ``model`` (or the causal LM under its PEFT wrapper) computes the fused loss."""
     model = getattr(model, "module", model)  # DDP / DeepSpeed engine
-    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model = unwrap_peft(model)
     return model in _FUSED
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..model.decoder import unwrap_peft
 from ..sharding import IGNORE_INDEX
 
 
@@ -50,7 +51,7 @@ def passes_loss_kwargs(model) -> bool:
     import inspect
     import textwrap
 
-    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model = unwrap_peft(model)
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(type(model).forward)))
     except (OSError, TypeError, SyntaxError):

@@ -11,6 +11,7 @@ import contextlib
 from torch import nn
 
 from ..losses.fused import loss_only_inputs
+from ..model.decoder import unwrap_peft
 from .arguments import MemoryArguments
 
 # TRL trainers have a flag named like ours and would act on it themselves (TRL's offloading of every saved activation,
@@ -43,7 +44,7 @@ def enable_memory_features(model: nn.Module, args, *, lm_loss_fused: bool = Fals
         if lm_loss_fused:
             log_fused_by_trainer(args)
         else:
-            enable_fused_loss(model.get_base_model() if hasattr(model, "get_base_model") else model)
+            enable_fused_loss(unwrap_peft(model))
     if getattr(args, "tiled_mlp", False):
         from .tiled_mlp import apply_tiled_mlp
 

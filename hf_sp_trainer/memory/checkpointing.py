@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging
 
 from ..attention.ring import ring_attention_op
 from ..comm.all_to_all import all_to_all_op
+from ..model.decoder import decoder_layers
 from .offload import HostOffload
 
 logger = logging.get_logger(__name__)
@@ -139,7 +139,7 @@ def _memory_class(cls: type) -> type:
 
 def wrap_checkpointed_layers(model: torch.nn.Module, context_fn=None, offload: HostOffload | None = None) -> int:
     """Give every decoder layer of ``model`` these checkpoint settings (once); returns the number of layers."""
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    layers = decoder_layers(model)
     for layer in layers:
         current = layer.__dict__.pop("_gradient_checkpointing_func", None)
         layer.__class__ = _memory_class(type(layer))
@@ -161,7 +161,7 @@ def _checkpoint_kwargs(args) -> dict[str, Any]:
 
 def checkpointed_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The layers transformers runs through ``_gradient_checkpointing_func``."""
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    return [m for m in decoder_layers(model) if m.gradient_checkpointing]
 
 
 def enable_checkpoint_features(model: torch.nn.Module, args) -> None:

@@ -22,7 +22,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
-from transformers.modeling_layers import GradientCheckpointingLayer
+
+from ..model.decoder import decoder_layers
 
 _TILED_CLASSES: dict[type, type] = {}
 
@@ -153,11 +154,6 @@ def _is_dense_mlp(module: nn.Module) -> bool:
     ``gate_up_proj`` (Phi3)."""
     children = dict(module.named_children())
     return "down_proj" in children and ("up_proj" in children or "gate_up_proj" in children)
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated decoder blocks of a transformers model (also inside PEFT / DDP wrappers)."""
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def apply_tiled_mlp(model: nn.Module, num_shards: int | None = None) -> int:

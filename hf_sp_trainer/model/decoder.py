@@ -1,4 +1,5 @@
-"""The decoder of a transformers model: its repeated layers, and the module its attention kwargs flow from."""
+"""The decoder of a transformers model: its repeated layers, the module its attention kwargs flow from, and the model
+under a PEFT wrapper."""
 
 from __future__ import annotations
 
@@ -8,6 +9,11 @@ import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .vlm import is_multimodal, text_decoder
+
+
+def unwrap_peft(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a PEFT wrapper (``get_base_model()``), or ``model`` itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -38,7 +38,7 @@ ENCODER_CONFIG_HINTS = ("vision", "audio", "image", "video", "speech", "vq")
 # The VLM base models whose SP runs are proven exact by tests/test_multimodal.py (each has cases there; a test keeps
 # the two in step). Any other VLM is refused: the generic path may well hold for it, but unproven it could be
 # silently wrong (a merge that is not one feature row per placeholder, positions computed in the forward, ...).
-# Image tokens that see their whole image (``attention/image_blocks.py``), Ulysses and ring: Gemma3 on every layer;
+# Image tokens that see their whole image (``sharding/image_blocks.py``), Ulysses and ring: Gemma3 on every layer;
 # Gemma4 on its sliding layers, where its text config asks for it (``use_bidirectional_attention="vision"``).
 IMAGE_BLOCK_MODELS = {
     "Gemma3Model": ImageBlockRule("token_type_ids", (1,)),

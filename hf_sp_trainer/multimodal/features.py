@@ -46,7 +46,7 @@ class MediaFeatures:
         self, model: PreTrainedModel, topology: SPTopology, sharding: SequenceSharding, split_media: bool = False
     ):
         self.topology, self.sharding, self.split_media = topology, sharding, split_media
-        self.exchanged = 0  # media kinds split over the ranks in the last forward (phase 2)
+        self.exchanged = 0  # media kinds split over the ranks in the last forward (split media)
         self.token_ids = token_ids(model)
         self.mrope = uses_mrope(model)
         self.image_blocks = image_block_rule(model)  # Gemma3 / Gemma4: each image's tokens see each other
@@ -103,11 +103,11 @@ class MediaFeatures:
             count = int(full[i].sum())
             with torch.set_grad_enabled(trainable):
                 exchanged = encode_split(encode, base, modality, kwargs, count, group) if self.split_media else None
-                if exchanged is None:  # phase 1 (or fewer media than ranks): every rank encodes every medium
+                if exchanged is None:  # whole media (or fewer media than ranks): every rank encodes every medium
                     encoded = encode(base, modality, kwargs)
                     rows = feature_rows(getattr(encoded, feature_field(encoded)))
                     deep = [feature_rows(level) for level in getattr(encoded, "deepstack_features", None) or []]
-                else:  # phase 2: this rank's group encoded, the whole batch's rows exchanged
+                else:  # split media: this rank's group encoded, the whole batch's rows exchanged
                     rows, deep, encoded = exchanged
                     self.exchanged += 1
             field = feature_field(encoded)  # pooler_output; Llama-4: last_hidden_state, projected in its forward

@@ -1,9 +1,10 @@
-"""Phase 2 of merge-after-slicing: the batch's images / videos split over the SP ranks, their features exchanged.
+"""Split media (merge after slicing): the batch's images / videos split over the SP ranks, their features exchanged.
 
-Phase 1 (``features.MediaFeatures``) has every rank encode every medium of the batch, so the tower's activations are
-per row on every rank. With ``split_media`` each rank encodes a contiguous group of the media instead (balanced by
-feature rows; every rank gets at least one, or all of them encode everything as in phase 1), and one differentiable
-all-gather (``mixers.gather.all_gather_stack``: backward, each rank gets the gradient of its own media's features from
+Whole media (``features.MediaFeatures``, the default) has every rank encode every medium of the batch, so the
+tower's activations are per row on every rank. With ``split_media`` each rank encodes a contiguous group of the media
+instead (balanced by feature rows; every rank gets at least one, or all of them encode everything as with whole
+media), and one differentiable
+all-gather (``comm.all_gather_stack``: backward, each rank gets the gradient of its own media's features from
 every rank) gives every rank the whole batch's feature rows, from which it keeps its placeholders' rows as before.
 The tower's activations and its backward are then ``~1/sp`` per rank; the exchanged features are O(image tokens x
 text hidden), small next to the tower's per-patch activations.

@@ -20,11 +20,11 @@ up to ``lcm(kv_heads, ulysses)``; the kernel is memory-efficient (flash / SDPA: 
 no step time. Everything else is one of the constants below.
 
 Hybrid models (``config.layer_types``): Gated DeltaNet layers (``linear_attention``: Qwen3.5, Qwen3-Next) and
-short conv layers (``conv``: LFM2) save what ``planner_mixers.mixer_per_token`` counts instead of the attention
+short conv layers (``conv``: LFM2) save what ``mixers.mixer_per_token`` counts instead of the attention
 tensors, plus the length-independent SP summaries of ``mixer_fixed``; their docstrings state what is assumed.
 
 VLMs (a ``vision_config``): the tower's weights and, per rank, the whole row's pixels and (trained tower) its saved
-activations are added (``planner_vision``: SP's phase 1 encodes every image on every rank).
+activations are added (``vision``: SP's whole-media mode encodes every image on every rank).
 
 ``device='cpu'`` predicts a ``scripts/bench_memory.py`` CPU run (fp32, process peak RSS), which is how the model is
 checked (``tests/test_planner.py``): the runtime is ``CPU_RUNTIME_MIB``, AdamW runs tensor by tensor, and DDP's
@@ -78,7 +78,7 @@ class ModelShape:
     linear_v_dim: int = 0
     conv_width: int = 4  # GDN's linear_conv_kernel_dim, LFM2's conv_L_cache
     gated_attention: bool = False  # Qwen3.5 / Qwen3-Next attention: q_proj also yields an output gate; q/k norms
-    vision: VisionShape | None = None  # a VLM's tower (planner_vision); the fields above are its text decoder's
+    vision: VisionShape | None = None  # a VLM's tower (planner.vision); the fields above are its text decoder's
 
     @classmethod
     def from_config(cls, config, name: str = "") -> ModelShape:
@@ -305,7 +305,7 @@ def estimate(m: ModelShape, s: Setting, length: int) -> Breakdown:
         optimizer_step = 4 * trainable / opt_shards
 
     vision = {"saved": 0.0}
-    if m.vision is not None:  # every rank encodes the whole row's images (phase 1), or 1/sp of them (phase 2)
+    if m.vision is not None:  # every rank encodes the whole row's images (whole media), or 1/sp of them (split media)
         trained = (not s.lora) if s.vision_trained is None else s.vision_trained
         ckpt, split = s.checkpointing != "none", s.sp if s.split_media else 1
         vision = vision_memory(m.vision, length, s.image_share, trained, ckpt, b, n, s.zero, split)
@@ -326,7 +326,7 @@ def estimate(m: ModelShape, s: Setting, length: int) -> Breakdown:
         saved -= host
     head_grad_full = 0.0 if s.lora else m.head_params * b  # made whole, then (ZeRO-2/3) reduce-scattered
     head_grad = head_grad_full / grad_shards
-    if s.fused_loss:  # one chunk's logits (fused_loss.py's default chunks); the head's gradient is accumulated
+    if s.fused_loss:  # one chunk's logits (losses/fused.py's default chunks); the head's gradient is accumulated
         chunk = math.ceil(tokens / math.ceil(m.vocab / m.hidden)) if tokens else 0
         loss = chunk * m.vocab * 4 * LOGITS_COPIES + head_grad + head_grad_full
     else:

@@ -7,11 +7,15 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from ..model.mixers import LAYER_TYPE_FIELDS as MODEL_LAYER_TYPE_FIELDS
+
 if TYPE_CHECKING:
     from .memory_model import ModelShape
 
 GDN_CHUNK = 64  # transformers' torch_chunk_gated_delta_rule chunk size
-LAYER_TYPE_FIELDS = ("layer_types", "layers_block_type", "block_types", "layers_type", "hybrid_override_pattern")
+# the config fields listing each layer's type, and NemotronH's pattern string (one letter per layer), which the
+# planner reads too (the SP checks find NemotronH's mixers from its modules)
+LAYER_TYPE_FIELDS = (*MODEL_LAYER_TYPE_FIELDS, "hybrid_override_pattern")
 ATTENTION_TYPES = re.compile(r"^(full_attention|sliding_attention|attention|chunked_attention|global|local)$")
 
 

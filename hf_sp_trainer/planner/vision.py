@@ -1,4 +1,4 @@
-"""The vision tower of a VLM in the memory model (``planner``), as SP runs it (``multimodal.features``, phase 1):
+"""The vision tower of a VLM in the memory model (``planner``), as SP runs it (``multimodal.features``, whole media):
 every rank encodes every image of the row, so the tower's activations are per *row*, not per local token.
 
 Per rank, with ``P = image_share x length x merge**2`` patches in the row:

@@ -26,18 +26,14 @@ from ..integrations.throughput import add_throughput_callback
 from ..losses.sequence import check_loss_options, micro_batch_loss, sp_eval_loss
 from ..memory import enable_memory_features, hidden_from_base_trainer, loss_only_inputs
 from ..mixers.documents import keep_documents_apart
+from ..model.decoder import unwrap_peft
 from ..model.vlm import is_multimodal
 from ..parallel import SequenceParallel, apply_sequence_parallel, compile_decoder_layers
 from ..topology import release_groups, teardown
 
 
-def unwrap_model(model: nn.Module) -> transformers.PreTrainedModel:
-    """The transformers model under a PEFT wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def pad_token_id(model: nn.Module, processing_class: Any) -> int:
-    for source in (processing_class, getattr(processing_class, "tokenizer", None), unwrap_model(model).config):
+    for source in (processing_class, getattr(processing_class, "tokenizer", None), unwrap_peft(model).config):
         pad = getattr(source, "pad_token_id", None)
         if isinstance(pad, int):
             return pad
@@ -63,8 +59,8 @@ class SequenceParallelMixin:
                 raise ValueError("Sequence parallelism (sp_size > 1) needs a model; model_init is not supported.")
             if bound.arguments.get("data_collator") is None:
                 collator = self.sp_default_collator(bound.arguments.get("processing_class"))
-                if collator is not None and is_multimodal(unwrap_model(model)):  # per-document positions, media
-                    collator = SPMultimodalCollator(unwrap_model(model))
+                if collator is not None and is_multimodal(unwrap_peft(model)):  # per-document positions, media
+                    collator = SPMultimodalCollator(unwrap_peft(model))
                 bound.arguments["data_collator"] = collator
         with hidden_from_base_trainer(training_args):  # memory-stack flags a TRL trainer would act on itself
             super().__init__(*bound.args, **bound.kwargs)
@@ -73,7 +69,7 @@ class SequenceParallelMixin:
         if sp_size > 1:
             self.sp_after_init()
             self.sp = apply_sequence_parallel(
-                unwrap_model(self.model),
+                unwrap_peft(self.model),
                 sp_size,
                 ring_size=self.args.sp_ring_size,
                 attn_implementation=self.args.sp_attn_implementation,
@@ -86,7 +82,7 @@ class SequenceParallelMixin:
             if self.args.sp_throughput_logging:
                 add_throughput_callback(self)  # after DefaultFlowCallback: report_to integrations see the figures
         else:  # hybrid models keep packed documents apart at sp_size 1 too: the same training at every sp_size
-            keep_documents_apart(unwrap_model(self.model))
+            keep_documents_apart(unwrap_peft(self.model))
         enable_memory_features(self.model, self.args, lm_loss_fused=self.sp_fuses_lm_loss)
 
     # -- hooks for subclasses -------------------------------------------------------------------------------------
@@ -188,7 +184,7 @@ class SequenceParallelMixin:
         if prediction_loss_only:
             inputs = loss_only_inputs(model, inputs)  # memory stack: the fused loss needs no logits
         if self.sp is not None:  # MoE: per-token router logits are [b * s/P, experts], not gathered along the sequence
-            defaults = getattr(unwrap_model(model).config, "keys_to_ignore_at_inference", [])
+            defaults = getattr(unwrap_peft(model).config, "keys_to_ignore_at_inference", [])
             ignore_keys = [*(defaults if ignore_keys is None else ignore_keys), "router_logits"]
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         if self.sp is not None:  # back to full sequences in the original order (padded to the SP multiple)
@@ -239,4 +235,4 @@ class SPTrainer(SequenceParallelMixin, transformers.Trainer):
     """
 
 
-__all__ = ["SPTrainer", "SequenceParallelMixin", "pad_token_id", "unwrap_model"]
+__all__ = ["SPTrainer", "SequenceParallelMixin", "pad_token_id"]

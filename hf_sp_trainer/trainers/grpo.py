@@ -19,8 +19,8 @@ import transformers
 import trl
 
 from ..memory import MemoryArguments
+from ..model.decoder import unwrap_peft
 from .arguments import SequenceParallelArguments
-from .base import unwrap_model
 from .scoring.hooks import LogProbHooks
 from .scoring.mixin import PreferenceSPMixin, refuse
 
@@ -153,7 +153,7 @@ class OnlineRLSPMixin(PreferenceSPMixin):
     # -- generation without SP ------------------------------------------------------------------------------------
     @contextlib.contextmanager
     def _sp_generation(self):
-        policy = unwrap_model(self.model)
+        policy = unwrap_peft(self.model)
         for hooks in self._sp_hooks:
             hooks.passthrough = True
         self.sp.attention.detach(policy)

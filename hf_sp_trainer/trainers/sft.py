@@ -9,8 +9,9 @@ from trl.trainer.sft_trainer import DataCollatorForLanguageModeling, DataCollato
 
 from ..collators.multimodal import SPMultimodalCollator, SPVisionSFTCollator
 from ..memory import MemoryArguments
+from ..model.decoder import unwrap_peft
 from .arguments import SequenceParallelArguments
-from .base import SequenceParallelMixin, unwrap_model
+from .base import SequenceParallelMixin
 
 
 @dataclass
@@ -50,7 +51,7 @@ class SPSFTTrainer(SequenceParallelMixin, trl.SFTTrainer):
             collator.padding_free = True
         elif isinstance(collator, DataCollatorForVisionLanguageModeling):
             # TRL's processing per example, then one packed row (TRL itself refuses packing for vision datasets)
-            packer = SPMultimodalCollator(unwrap_model(self.model))
+            packer = SPMultimodalCollator(unwrap_peft(self.model))
             self.data_collator = SPVisionSFTCollator(collator, packer)
         elif self._is_vision_dataset:
             raise ValueError(

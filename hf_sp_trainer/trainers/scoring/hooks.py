@@ -9,7 +9,7 @@ batch's output grid and sums it over the SP group (``sequence_all_reduce``, diff
 exactly the outputs of the unsharded forward, so every sequence-level term TRL builds from them (summed log-probs,
 length-normalised and ``ld_alpha`` variants, WPO weights, rewards, KL estimates, metrics) is exact. The reduced tensors
 are O(tokens) scalars, gathered with one collective per forward; logits are never gathered. An MoE policy's
-load-balancing loss comes back as the whole batch's value (``router_loss.py``), with the gradient convention of the
+load-balancing loss comes back as the whole batch's value (``losses/router.py``), with the gradient convention of the
 reduced log-probs (``LogProbHooks.aux_loss``).
 """
 

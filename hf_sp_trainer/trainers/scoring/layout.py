@@ -11,7 +11,6 @@ SP group: padding never enters the model and the results are those of the padded
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -122,7 +121,3 @@ def scatter_to_grid(local: torch.Tensor, slots: torch.Tensor, grid: tuple[int, .
         size *= n
     out = local.new_zeros((size, *local.shape[1:]))
     return out.index_add(0, slots[valid], local[valid])
-
-
-def drop_keys(kwargs: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
-    return {k: v for k, v in kwargs.items() if k not in keys}

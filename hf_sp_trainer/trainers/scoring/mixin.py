@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...model.decoder import unwrap_peft
 from ...model.vlm import is_multimodal
 from ...multimodal.features import MediaFeatures
 from ...validate import validate_model_for_sp
-from ..base import SequenceParallelMixin, unwrap_model
+from ..base import SequenceParallelMixin
 from .hooks import LogProbHooks
 
 
@@ -57,7 +58,7 @@ class PreferenceSPMixin(SequenceParallelMixin):
             "it needs full [seq, vocab] logits, which the fused log-prob forward never builds",
             "Use the logged reward / logp metrics, or evaluate with sp_size=1.",
         )
-        model = unwrap_model(self.model)
+        model = unwrap_peft(self.model)
         vision = getattr(self, "_is_vision_dataset", False)
         refuse(
             {"vision datasets": vision and not (self.sp_vision_data and is_multimodal(model))},
@@ -71,15 +72,15 @@ class PreferenceSPMixin(SequenceParallelMixin):
         if getattr(self, "aux_loss_enabled", False) and self.sp.router_loss is None:
             raise ValueError(
                 f"Sequence parallelism (sp_size > 1) makes the MoE router aux loss exact through the model's "
-                f"load_balancing_loss_func; {type(unwrap_model(self.model)).__name__} has none. Set "
+                f"load_balancing_loss_func; {type(unwrap_peft(self.model)).__name__} has none. Set "
                 "router_aux_loss_coef=0.0, or sp_size=1."
             )
-        policy = self._sp_hook(unwrap_model(self.model))
+        policy = self._sp_hook(unwrap_peft(self.model))
         policy.router_loss = self.sp.router_loss  # the policy's aux loss, exact; the reference's is discarded
         self._sp_hooks.append(policy)
         ref = getattr(self, "ref_model", None)
         if ref is not None:
-            ref = unwrap_model(self.accelerator.unwrap_model(ref))
+            ref = unwrap_peft(self.accelerator.unwrap_model(ref))
             args, topo = self.args, self.sp.topology
             split = validate_model_for_sp(ref, args.sp_size, topo.ring_size, self.sp.attention.kernel)
             if split != (topo.ulysses_size, topo.ring_size):
