@@ -34,6 +34,7 @@ from transformers.utils import logging
 
 from ..model.decoder import unwrap_peft
 from ..sharding import IGNORE_INDEX
+from ..sharding import shift_labels as shifted
 
 logger = logging.get_logger(__name__)
 
@@ -90,7 +91,7 @@ def enable_fused_loss(model: nn.Module) -> None:
         outputs = self.base_model(*args, **kwargs)
         hidden = outputs.last_hidden_state
         if shift_labels is None:  # as ForCausalLMLoss: position t predicts labels[t + 1], the last one nothing
-            shift_labels = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+            shift_labels = shifted(labels)
         head = self.get_output_embeddings()
         loss = fused_linear_cross_entropy(hidden, shift_labels, head, num_items_in_batch, softcap)
         return CausalLMOutputWithPast(  # no cache: training and loss-only evaluation

@@ -12,6 +12,7 @@ from .sequence import (
     check_sp_padding,
     pad_to_multiple,
     sequence_length,
+    shift_labels,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "check_sp_padding",
     "pad_to_multiple",
     "sequence_length",
+    "shift_labels",
 ]

@@ -83,12 +83,16 @@ def add_position_ids(batch: dict[str, Any]) -> dict[str, Any]:
     return {**batch, "position_ids": position_ids}
 
 
-def add_shift_labels(batch: dict[str, Any]) -> dict[str, Any]:
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     """``shift_labels[t] = labels[t + 1]``, ``-100`` at the end of each row (what causal-LM losses compute)."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def add_shift_labels(batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` with ``shift_labels`` from its ``labels`` (on the whole rows, before any split)."""
     if batch.get("labels") is None or batch.get("shift_labels") is not None:
         return batch
-    shift = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
-    return {**batch, "shift_labels": shift}
+    return {**batch, "shift_labels": shift_labels(batch["labels"])}
 
 
 def pad_to_multiple(batch: dict[str, Any], multiple: int, pad_token_id: int = 0) -> dict[str, Any]:

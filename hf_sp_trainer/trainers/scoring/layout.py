@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ...sharding import IGNORE_INDEX, SequenceSharding
+from ...sharding import SequenceSharding, shift_labels
 
 
 @dataclass
@@ -80,7 +80,7 @@ def pack_and_shard(
     batch = {"input_ids": input_ids[mask].unsqueeze(0), "position_ids": packed_positions}
     batch |= {key: value[mask].unsqueeze(0) for key, value in (token_types or {}).items()}
     if labels is not None:
-        batch["shift_labels"] = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)[mask].unsqueeze(0)
+        batch["shift_labels"] = shift_labels(labels)[mask].unsqueeze(0)
     flat_slots = slots[mask]
     shard = sharding.shard_batch(batch, sp_rank, pad_token_id)  # pads to the SP multiple (a document of its own)
     length = shard["input_ids"].shape[1] * sharding.sp_size
