@@ -3,8 +3,9 @@
 ``DocumentLayout`` says where each document of a row begins and ends over the whole (gathered) sequence;
 ``document_bounds`` packs that into one tensor. ``DocumentHook``, a forward pre-hook on the decoder, computes both from
 the ``position_ids`` of the whole rows (gathered over the SP group; at sp_size 1 the local rows) and passes down to
-every layer the bounds (``BOUNDS_KWARG``) and the model's own SP context (``SP_KWARG``: its attention, its mixers'
-context), so that the registered attention and the swapped kernels serve the model being run, not a process global.
+every layer the bounds (``BOUNDS_KWARG``) and, for hybrid models, the model's own mixer context (``SP_KWARG``), so
+that the swapped kernels, shared by every model of a family, serve the model being run, not a process global. (The
+attention needs no such kwarg: each model's is registered under a key of its own.)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .sharding import SequenceSharding, check_sp_padding
 from .topology import SPTopology
 
 BOUNDS_KWARG = "sp_document_bounds"  # the whole sequence's documents, passed by the decoder pre-hook to every layer
-SP_KWARG = "sp_context"  # the SP context of the model being run (a dict: "attention", "mixers"), beside the bounds
+SP_KWARG = "sp_context"  # the SP context of the model being run (a dict; "mixers": its hybrid layers')
 _HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> (its DocumentHook, the handles attached)
 
 
@@ -118,7 +119,8 @@ class DocumentHook:
             self._gather(args, kwargs)
             kwargs.update(attention_mask=None, use_cache=False)
         kwargs.update(**{BOUNDS_KWARG: document_bounds(self.layout.segments, self.layout.position_ids.shape[1])})
-        kwargs[SP_KWARG] = self.context
+        if self.context:
+            kwargs[SP_KWARG] = self.context
         return args, kwargs
 
     def _gather(self, args, kwargs) -> None:

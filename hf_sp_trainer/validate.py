@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 
 from .attention.block_attention import check_kernel
 from .attention.position_rules import position_rules
-from .attention.ulysses import ULYSSES_KEY, VARLEN_KEY
+from .attention.ulysses import VARLEN_KEY, is_sp_key
 from .model.heads import attention_shapes, head_counts
 from .model.mixers import check_sequence_mixers, uses_attention_registry
 from .model.vlm import check_multimodal, text_decoder, uses_image_blocks
@@ -46,8 +46,8 @@ def validate_model_for_sp(
     check_sinks(model)
     ulysses, ring = split_sp_size(sp_size, heads, ring_size)
     kernel = kernel or model.config._attn_implementation
-    if kernel == ULYSSES_KEY:
-        raise ValueError(f"The inner attention kernel can't be {ULYSSES_KEY!r} itself: set sp_attn_implementation.")
+    if is_sp_key(kernel):
+        raise ValueError(f"The inner attention kernel can't be SP's own ({kernel!r}): set sp_attn_implementation.")
     images = uses_image_blocks(model)  # their extra pairs run on the block kernels, as a ring does
     if ring > 1 or kernel == VARLEN_KEY or images:
         try:

@@ -449,14 +449,14 @@ def test_sharding_keeps_media_whole_and_splits_rope_rows() -> None:
 def test_vision_tower_never_runs_sp_attention() -> None:
     """The SP attention refuses a module outside every text decoder it was attached to (a vision block), before any
     communication; attaching leaves the vision tower on its own kernel."""
-    from hf_sp_trainer.attention.ulysses import _text_only, sp_attention
+    from hf_sp_trainer.attention.ulysses import UlyssesAttention, _text_only
 
     model = build_vlm("qwen2_vl")
     assert _text_only(model, "ulysses_sp") == {"text_config": "ulysses_sp", "vision_config": "sdpa"}
     block = model.model.visual.blocks[0].attn
     q = torch.zeros(1, 4, 8, 8)
     with pytest.raises(RuntimeError, match="not part of a text decoder"):
-        sp_attention(block, q, q, q, None)
+        UlyssesAttention(None, None, "sdpa").registered(block, q, q, q, None)
 
 
 def test_only_proven_vlms_pass_the_checks() -> None:

@@ -10,6 +10,7 @@ forward step by a pre-hook on the decoder.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -27,6 +28,7 @@ from .position_rules import CHUNK_MARK, WholeSequenceRope, chunk_layout, mark_po
 from .ring import autocast_like_sdpa, ring_attention
 
 ULYSSES_KEY = "ulysses_sp"  # must contain neither "flash" nor "sdpa": those trigger special loading paths
+_KEYS = itertools.count()  # each attached model gets its own registry key, ``ulysses_sp_<n>``
 VARLEN_KEY = "varlen"  # torch's own varlen flash attention (CUDA): one kernel call per layer for all documents
 DECODER_MARK = "_hf_sp_text_decoder"  # set on every module of a text decoder SP is attached to (survives deepcopy)
 
@@ -42,27 +44,6 @@ class _KVGroupsView:
 
     def __getattr__(self, name):
         return getattr(self._module, name)
-
-
-def sp_attention(module, query, key, value, attention_mask, **kwargs):
-    """The attention function registered under ``ULYSSES_KEY``: the ``UlyssesAttention`` of the model being run (its
-    decoder pre-hook passes it in ``SP_KWARG``), so models with different splits share one process. The output is
-    contiguous, as transformers' own kernels return it (the inverse all-to-all gives a strided view; JetMoE and AfMoE
-    ``.view`` it), and the module's own ``sliding_window`` is passed where the model puts it only in the mask SP drops
-    (Qwen2-MoE)."""
-    context = kwargs.pop(SP_KWARG, None)
-    if not getattr(module, DECODER_MARK, False):  # e.g. a VLM's vision tower reached by a shared sub-config key
-        raise RuntimeError(
-            f"SP attention was called by {type(module).__name__}, which is not part of a text decoder SP was "
-            "attached to; encoders must keep their own attention kernel."
-        )
-    attention = (context or {}).get("attention")
-    if attention is None or kwargs.get(BOUNDS_KWARG) is None:
-        raise RuntimeError("SP attention was called outside a forward of the model it was attached to.")
-    if "sliding_window" not in kwargs and getattr(module, "sliding_window", None):  # an explicit None stays
-        kwargs["sliding_window"] = module.sliding_window
-    out, weights = attention(module, query, key, value, attention_mask, **kwargs)
-    return out.contiguous(), weights
 
 
 def kv_replication(num_kv_heads: int, sp_size: int) -> int:
@@ -95,7 +76,9 @@ def _sinks(module, kwargs: dict, heads: int) -> torch.Tensor | None:
 
 
 class UlyssesAttention:
-    """SP attention for one model (``sp_attention`` finds it through the model's ``DocumentHook``).
+    """SP attention for one model, registered in transformers' attention registry under a key of its own
+    (``ULYSSES_KEY`` + a number), so models with different splits share one process; its decoder pre-hook
+    (``documents``) gathers the documents once per forward.
 
     All-to-all over the Ulysses group, then the inner kernel over the whole sequence (``ring == 1``) or ring attention
     over the ring group for this rank's ring portion, then the inverse all-to-all.
@@ -104,7 +87,24 @@ class UlyssesAttention:
     def __init__(self, topology: SPTopology, sharding: SequenceSharding, kernel: str):
         self.topology, self.sharding, self.kernel = topology, sharding, kernel
         self.documents = DocumentHook(topology, sharding)  # this forward's documents and local positions
-        self.documents.context["attention"] = self
+        self.key = f"{ULYSSES_KEY}_{next(_KEYS)}"
+
+    def registered(self, module, query, key, value, attention_mask, **kwargs):
+        """The function under ``self.key``: the output contiguous, as transformers' own kernels return it (the
+        inverse all-to-all gives a strided view; JetMoE and AfMoE ``.view`` it), and the module's own
+        ``sliding_window`` passed where the model puts it only in the mask SP drops (Qwen2-MoE)."""
+        kwargs.pop(SP_KWARG, None)  # the hybrid mixers' context: not the inner kernels' business
+        if not getattr(module, DECODER_MARK, False):  # e.g. a VLM's vision tower reached by a shared sub-config key
+            raise RuntimeError(
+                f"SP attention was called by {type(module).__name__}, which is not part of a text decoder SP was "
+                "attached to; encoders must keep their own attention kernel."
+            )
+        if kwargs.get(BOUNDS_KWARG) is None or self.documents.layout is None:
+            raise RuntimeError("SP attention was called outside a forward of the model it was attached to.")
+        if "sliding_window" not in kwargs and getattr(module, "sliding_window", None):  # an explicit None stays
+            kwargs["sliding_window"] = module.sliding_window
+        out, weights = self(module, query, key, value, attention_mask, **kwargs)
+        return out.contiguous(), weights
 
     # -- the attention function -------------------------------------------------------------------------------
     def __call__(self, module, query, key, value, attention_mask, **kwargs):
@@ -177,8 +177,8 @@ class UlyssesAttention:
         """Route ``model``'s attention through this backend and gather document boundaries once per forward."""
         # transformers validates the inner kernel (installed, GPU, ...); torch's varlen is ours, with sdpa's setup
         model.set_attn_implementation(_text_only(model, self._inner_key))
-        AttentionInterface.register(ULYSSES_KEY, sp_attention)
-        model.set_attn_implementation(_text_only(model, ULYSSES_KEY))
+        AttentionInterface.register(self.key, self.registered)
+        model.set_attn_implementation(_text_only(model, self.key))
         for m in text_decoder(model).modules():
             setattr(m, DECODER_MARK, True)
         mark_image_block_layers(text_decoder(model), image_block_rule(model))
@@ -190,6 +190,7 @@ class UlyssesAttention:
         """Undo ``attach``: the model's attention is the inner kernel again, run on the local tokens only."""
         detach_documents(model)
         model.set_attn_implementation(_text_only(model, self._inner_key))
+        AttentionInterface.register(self.key, _detached)  # the registry no longer holds this attention
 
     @property
     def _inner_key(self) -> str:
@@ -203,3 +204,12 @@ def _text_only(model: PreTrainedModel, key: str) -> str | dict[str, str]:
         return key
     keep = {k: getattr(model.config, k)._attn_implementation for k in encoder_config_keys(model)}
     return {"text_config": key, **keep}
+
+
+def _detached(module, *args, **kwargs):
+    raise RuntimeError(f"{type(module).__name__} called an SP attention that was detached from its model.")
+
+
+def is_sp_key(key: str | None) -> bool:
+    """``key`` (a config's ``_attn_implementation``) routes the attention through SP."""
+    return isinstance(key, str) and key.startswith(ULYSSES_KEY)

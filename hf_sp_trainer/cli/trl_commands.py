@@ -9,6 +9,7 @@ module in every worker.
 from __future__ import annotations
 
 # Absolute imports only: `accelerate launch` runs this file as a script in every worker.
+import functools
 import os
 import sys
 
@@ -95,40 +96,10 @@ def reward_functions(script_args) -> list:
 def launch(command: str, argv: list[str] | None = None) -> int:
     """Parse like ``trl <command>``, then start the workers with ``accelerate launch`` (or train in-process when
     already launched by torchrun / accelerate / deepspeed)."""
-    from hf_sp_trainer.cli import launch as sft_launch
+    from hf_sp_trainer.cli.launch import train_or_launch
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if any(os.environ.get(name) for name in sft_launch._LAUNCHED_ENV):
-        from hf_sp_trainer.topology.teardown import exit_finished_worker
-
-        worker(command, argv)
-        exit_finished_worker()
-    if sft_launch._on_cpu_only():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        if "--use_cpu" not in argv:
-            argv.append("--use_cpu")
-    _, config_remaining, cli_remaining = make_parser(command).parse_namespace(argv)
-    launch_args = config_remaining + cli_remaining
-    script_args = sft_launch._subtract(argv, cli_remaining)
-    _accelerate_launch(launch_args, [command, *script_args])
-    return 0
-
-
-def _accelerate_launch(launch_args: list[str], script_args: list[str]) -> None:
-    from accelerate.commands.launch import launch_command, launch_command_parser
-    from trl.cli.accelerate_config import resolve_accelerate_config_argument
-
-    from hf_sp_trainer.cli.launch import _LAUNCH_DEFAULTS, _MULTI_PROCESS_FLAGS, _flag_value
-
-    launch_args = resolve_accelerate_config_argument(launch_args)
-    if "--config_file" not in launch_args:
-        given = {arg.split("=", 1)[0] for arg in launch_args}
-        launch_args += [x for flag, value in _LAUNCH_DEFAULTS.items() if flag not in given for x in (flag, value)]
-    if int(_flag_value(launch_args, "--num_processes") or 1) > 1 and not any(
-        flag in launch_args for flag in _MULTI_PROCESS_FLAGS
-    ):
-        launch_args = ["--multi_gpu", *launch_args]
-    launch_command(launch_command_parser().parse_args([*launch_args, __file__, *script_args]))
+    return train_or_launch(argv, make_parser(command), functools.partial(worker, command), __file__, prefix=[command])
 
 
 def main_dpo() -> int:

@@ -236,14 +236,14 @@ class ThroughputCallback(TrainerCallback):
             self._handle.remove()
         self._counter = self._handle = None
         if model is not None:
-            from ..attention.ulysses import ULYSSES_KEY
+            from ..attention.ulysses import is_sp_key
 
             # the transformers model under a PEFT wrapper: it sees this rank's shard (preference trainers shard in
             # a pre-hook on it)
             model = unwrap_peft(model)
 
             documents = None  # under SP, the whole sequence's documents of this model's forward
-            if getattr(model.config, "_attn_implementation", None) == ULYSSES_KEY:
+            if is_sp_key(getattr(model.config, "_attn_implementation", None)):
                 documents = attached_documents(model)
             self._counter = _Counter(count_pairs=self._peak is not None, documents=documents)
             self._handle = model.register_forward_hook(self._counter, with_kwargs=True)
