@@ -17,8 +17,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .linear_state import incoming_states, touch
-from .relay import relay_runs, segment_step
+from .linear_state import Recurrence, carry_runs
 from .runs import ShardRuns
 
 
@@ -44,48 +43,30 @@ def sp_chunk_gated_delta_rule(
     options.pop("cu_seqlens", None)
     b, _, v_heads, v_dim = value.shape
     k_dim = key.shape[-1]
-    eye = torch.eye(k_dim, dtype=torch.float32, device=value.device)
-    outputs = [[None] * len(runs.mine) for _ in range(b)]
-    summaries = value.new_zeros((runs.max_runs, b, v_heads, k_dim, v_dim + k_dim), dtype=torch.float32)
-    pending = []  # (row, run position, run, first segment slice) to correct with the incoming state
 
     def call(row: int, sl: slice, v: torch.Tensor, state: torch.Tensor | None, final: bool):
         q, k, gate, b_ = (t[row : row + 1, sl] for t in (query, key, g, beta))
         return core(q, k, v, g=gate, beta=b_, initial_state=state, output_final_state=final, **options)
 
-    if relay:
-        step = segment_step(runs, b, lambda row, sl, state: call(row, sl, value[row : row + 1, sl], state, True))
-        anchor = sum(t.reshape(-1)[0] for t in (query, key, value, g, beta))
-        pieces, token = relay_runs(step, runs, (b, v_heads, k_dim, v_dim), anchor, group)
-        return touch(torch.cat(pieces, dim=1), token), None
+    def through(row: int, sl: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Values ``[v | 0]`` from ``[0 | I]``: the output from zero, ``S_ext`` and ``M`` in one call."""
+        v = value[row : row + 1, sl]
+        widened = torch.cat([v, v.new_zeros(*v.shape[:-1], k_dim)], -1)
+        eye = torch.eye(k_dim, dtype=torch.float32, device=value.device)
+        state = torch.cat([eye.new_zeros(k_dim, v_dim), eye], -1).expand(1, v_heads, k_dim, -1)
+        out, final = call(row, sl, widened, state.contiguous(), True)
+        return out[..., :v_dim], final[0]
 
-    for row in range(b):
-        for i, run in enumerate(runs.mine):
-            slices, continues = runs.segments(row, run)
-            pieces = []
-            for n, sl in enumerate(slices):
-                v = value[row : row + 1, sl]
-                last = n == len(slices) - 1
-                if continues and len(slices) == 1:  # continuing a document, none starting: output, S_ext, M at once
-                    widened = torch.cat([v, v.new_zeros(*v.shape[:-1], k_dim)], -1)
-                    state = torch.cat([eye.new_zeros(k_dim, v_dim), eye], -1).expand(1, v_heads, k_dim, -1)
-                    out, final = call(row, sl, widened, state.contiguous(), True)
-                    pieces.append(out[..., :v_dim])
-                    summaries[run.index, row] = final[0]
-                else:
-                    out, final = call(row, sl, v, None, last)
-                    pieces.append(out)
-                    if last:
-                        summaries[run.index, row, ..., :v_dim] = final[0]
-                if n == 0 and continues:
-                    pending.append((row, i, run, sl))
-            outputs[row][i] = pieces
+    def correct(row: int, sl: slice, state: torch.Tensor) -> torch.Tensor:
+        return call(row, sl, value.new_zeros(value[row : row + 1, sl].shape), state, False)[0]
 
-    incoming, gathered = incoming_states(summaries, runs, group, v_dim)
-    for row, i, run, sl in pending if carry_state else []:
-        state = incoming[run.index][row : row + 1]
-        correction, _ = call(row, sl, value.new_zeros(value[row : row + 1, sl].shape), state, False)
-        outputs[row][i][0] = outputs[row][i][0] + correction
-    rows = [torch.cat([p for pieces in per_run for p in pieces], dim=1) for per_run in outputs]
-    out = torch.cat(rows, dim=0) if b > 1 else rows[0]
-    return touch(out, gathered), None
+    rec = Recurrence(
+        rows=b,
+        state=(v_heads, k_dim, v_dim),
+        m_cols=k_dim,
+        inputs=(query, key, value, g, beta),
+        scan=lambda row, sl, state, final: call(row, sl, value[row : row + 1, sl], state, final),
+        correct=correct,
+        through=through,
+    )
+    return carry_runs(rec, runs, group, carry_state, relay), None

@@ -22,9 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .linear_state import incoming_states, touch
-from .relay import relay_runs, segment_step
-from .runs import ShardRuns
+from .linear_state import Recurrence, carry_runs
+from .runs import Run, ShardRuns
 
 
 def lightning_scan(
@@ -67,42 +66,29 @@ def sp_lightning_attention(
     (a negative control for tests) starts every run from a zero state."""
     b, _, heads, dim = q.shape
 
-    def scan(row: int, sl: slice, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def scan(row: int, sl: slice, state: torch.Tensor | None, final: bool) -> tuple[torch.Tensor, torch.Tensor]:
         qs, ks, vs = (t[row : row + 1, sl] for t in (q, k, v))
         return lightning_scan(qs, ks, vs, slope, block, None if state is None else state.to(qs.dtype))
 
-    if relay:
-        anchor = sum(t.reshape(-1)[0] for t in (q, k, v))
-        pieces, token = relay_runs(segment_step(runs, b, scan), runs, (b, heads, dim, v.shape[-1]), anchor, group)
-        return touch(torch.cat(pieces, dim=1), token)
+    def transition(row: int, run: Run) -> torch.Tensor:  # lambda^n per head
+        decay = torch.exp(-slope.float().view(heads) * run.length)
+        return decay[:, None, None].expand(heads, dim, 1)
 
-    outputs = [[None] * len(runs.mine) for _ in range(b)]
-    summaries = q.new_zeros((runs.max_runs, b, heads, dim, v.shape[-1] + 1), dtype=torch.float32)
-    pending = []  # (row, run position, run, first segment slice) to correct with the incoming state
-    for row in range(b):
-        for i, run in enumerate(runs.mine):
-            slices, continues = runs.segments(row, run)
-            pieces = []
-            for sl in slices:
-                out, final = scan(row, sl, None)
-                pieces.append(out)
-            summaries[run.index, row, ..., :-1] = final[0]
-            if continues:
-                pending.append((row, i, run, slices[0]))
-                if len(slices) == 1:  # no document starts in the run: the state decays through all of it
-                    decay = torch.exp(-slope.float().view(heads) * run.length)
-                    summaries[run.index, row, ..., -1] = decay[:, None].expand(heads, dim)
-            outputs[row][i] = pieces
-
-    incoming, gathered = incoming_states(summaries, runs, group, v.shape[-1])
-    for row, i, run, sl in pending if carry_state else []:
-        state = incoming[run.index][row : row + 1].to(q.dtype)  # [1, H, d, d]
+    def correct(row: int, sl: slice, state: torch.Tensor) -> torch.Tensor:  # (lambda^(t+1) q_t) S_in
         steps = torch.arange(sl.stop - sl.start, device=q.device) + 1
         decay = torch.exp(-slope * steps[:, None])  # [H, n, 1]
-        correction = torch.matmul(q[row : row + 1, sl].transpose(1, 2) * decay, state).transpose(1, 2)
-        outputs[row][i][0] = outputs[row][i][0] + correction
-    rows = [torch.cat([p for pieces in per_run for p in pieces], dim=1) for per_run in outputs]
-    return touch(torch.cat(rows, dim=0), gathered)
+        return torch.matmul(q[row : row + 1, sl].transpose(1, 2) * decay, state.to(q.dtype)).transpose(1, 2)
+
+    rec = Recurrence(
+        rows=b,
+        state=(heads, dim, v.shape[-1]),
+        m_cols=1,
+        inputs=(q, k, v),
+        scan=scan,
+        correct=correct,
+        transition=transition,
+    )
+    return carry_runs(rec, runs, group, carry_state, relay)
 
 
 def lightning_forward(

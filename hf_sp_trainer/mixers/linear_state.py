@@ -8,15 +8,110 @@ the product of its transitions (``M = 0`` when a document starts inside the run:
 Each rank computes its runs from a zero state, the SP group all-gathers the ``(S_ext, M)`` pairs (fp32, a size
 independent of the length), and each rank folds the runs before each of its own in global order to get the state
 its first document segment continues from. The gather is differentiable, so autograd gives the exact backward.
+
+``carry_runs`` is that loop, shared by every recurrence (``gated_deltanet``, ``mamba2``, ``lightning``), which
+supplies only its own arithmetic as a ``Recurrence``: the scan of a segment from a given state, the transition ``M``
+of a run in which no document starts, and the output an incoming state adds to a segment. For every row and every
+run of this rank:
+
+1. each document segment of the run is scanned alone, from a zero state;
+2. the run's summary ``[S_ext | M]`` is stored: ``S_ext`` the last segment's final state, ``M`` the run's transition
+   when no document starts in it (0 otherwise);
+3. the run's first segment is remembered when it continues a document begun before the run.
+
+The summaries are gathered and folded (``incoming_states``); each remembered segment adds the correction for the
+state its run starts in (``o(x, S_in) = o(x, 0) + o(0, S_in)``: the recurrence is affine in its initial state), and
+the rows are put back together. ``relay=True`` runs the same scans through ``relay.py`` instead.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from ..comm.gather import all_gather_stack
+from .relay import relay_runs, segment_step
 from .runs import Run, ShardRuns
+
+Scan = Callable[[int, slice, torch.Tensor | None, bool], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+@dataclass(frozen=True)
+class Recurrence:
+    """What ``carry_runs`` needs of one linear recurrence on this rank's shard (``rows`` rows; a state ``[heads, K,
+    cols]`` per row).
+
+    ``scan(row, shard slice, S_in [1, heads, K, cols] fp32 or None, final) -> (output [1, n, ...], final state
+    [1, heads, K, cols] or None when not ``final``)``: one document segment of one row, from ``S_in`` (``None``: zero).
+    ``transition(row, run) -> M [heads, K, m_cols]``: the transition of a run in which no document starts.
+    ``correct(row, shard slice, S_in) -> output [1, n, ...]``: what ``S_in`` adds to a segment's output.
+    ``through(row, shard slice) -> (output, [S_ext | M] [heads, K, cols + m_cols])``, optional: a run with no document
+    start at once (GDN's widened kernel call), instead of ``scan`` and ``transition``.
+    ``inputs``: the differentiable inputs (the relay's chain is anchored on them).
+    """
+
+    rows: int
+    state: tuple[int, int, int]  # (heads, K, cols): one row's state
+    m_cols: int  # K when M is a matrix acting on the left, 1 when it scales the state's rows
+    inputs: tuple[torch.Tensor, ...]
+    scan: Scan
+    correct: Callable[[int, slice, torch.Tensor], torch.Tensor]
+    transition: Callable[[int, Run], torch.Tensor] | None = None
+    through: Callable[[int, slice], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+def carry_runs(
+    rec: Recurrence,
+    runs: ShardRuns,
+    group: dist.ProcessGroup | None,
+    carry_state: bool = True,
+    relay: bool = False,
+) -> torch.Tensor:
+    """``rec`` over this rank's runs, each document as if alone, with the state carried in from the runs before them
+    (the module docstring's loop); the output ``[rows, L, ...]``. ``carry_state=False`` (a negative control for
+    tests) starts every run from a zero state; ``relay``: the state handed rank to rank (``relay.py``) instead of
+    gathered."""
+    if relay:
+        step = segment_step(runs, rec.rows, lambda row, sl, state: rec.scan(row, sl, state, True))
+        anchor = sum(t.reshape(-1)[0] for t in rec.inputs)
+        pieces, token = relay_runs(step, runs, (rec.rows, *rec.state), anchor, group)
+        return touch(torch.cat(pieces, dim=1), token)
+
+    heads, k, cols = rec.state
+    device = rec.inputs[0].device
+    summaries = torch.zeros((runs.max_runs, rec.rows, heads, k, cols + rec.m_cols), dtype=torch.float32, device=device)
+    outputs = [[None] * len(runs.mine) for _ in range(rec.rows)]
+    pending = []  # (row, run position, run, first segment slice) to correct with the incoming state
+    for row in range(rec.rows):
+        for i, run in enumerate(runs.mine):
+            slices, continues = runs.segments(row, run)
+            through = continues and len(slices) == 1  # no document starts in the run: M carries a state through it
+            if through and rec.through is not None:
+                out, summary = rec.through(row, slices[0])
+                summaries[run.index, row] = summary
+                pieces = [out]
+            else:
+                pieces = []
+                for n, sl in enumerate(slices):  # each segment alone, from zero
+                    out, final = rec.scan(row, sl, None, n == len(slices) - 1)
+                    pieces.append(out)
+                summaries[run.index, row, ..., :cols] = final[0]  # S_ext: the last segment's final state
+                if through:
+                    summaries[run.index, row, ..., cols:] = rec.transition(row, run)
+            if continues:
+                pending.append((row, i, run, slices[0]))
+            outputs[row][i] = pieces
+
+    incoming, gathered = incoming_states(summaries, runs, group, cols)
+    for row, i, run, sl in pending if carry_state else []:
+        correction = rec.correct(row, sl, incoming[run.index][row : row + 1])
+        outputs[row][i][0] = outputs[row][i][0] + correction
+    per_row = [torch.cat([p for pieces in per_run for p in pieces], dim=1) for per_run in outputs]
+    out = torch.cat(per_row, dim=0) if rec.rows > 1 else per_row[0]
+    return touch(out, gathered)
 
 
 def incoming_states(

@@ -19,9 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .linear_state import incoming_states, touch
-from .relay import relay_runs, segment_step
-from .runs import ShardRuns
+from .linear_state import Recurrence, carry_runs
+from .runs import Run, ShardRuns
 
 
 def step_sizes(
@@ -59,11 +58,7 @@ def sp_mamba2_chunk_scan(
     ``[b, L, G, N]``), each document as if alone; the scan's output ``[b, L, H, P]``. ``relay``: the state handed
     rank to rank (``relay.py``) instead of gathered."""
     b, _, heads, head_dim = x.shape
-    state_size = B.shape[-1]
     steps = step_sizes(dt, dt_bias, dt_softplus, dt_limit)
-    outputs = [[None] * len(runs.mine) for _ in range(b)]
-    summaries = x.new_zeros((runs.max_runs, b, heads, head_dim, state_size + 1), dtype=torch.float32)
-    pending = []  # (row, run position, run, first segment slice) to correct with the incoming state
 
     def call(row: int, sl: slice, values: torch.Tensor, state: torch.Tensor | None, skip: bool, final: bool):
         dt_, B_, C_ = (t[row : row + 1, sl] for t in (dt, B, C))
@@ -81,37 +76,24 @@ def sp_mamba2_chunk_scan(
             return_final_states=final,
         )
 
-    if relay:
-        step = segment_step(runs, b, lambda row, sl, state: call(row, sl, x[row : row + 1, sl], state, False, True))
-        anchor = sum(t.reshape(-1)[0] for t in (x, dt, A, B, C))
-        pieces, token = relay_runs(step, runs, (b, heads, head_dim, state_size), anchor, group)
-        return touch(torch.cat(pieces, dim=1), token).contiguous()
+    def segment(row: int, sl: slice, state: torch.Tensor | None, final: bool):
+        result = call(row, sl, x[row : row + 1, sl], state, False, final)
+        return result if final else (result, None)
 
-    for row in range(b):
-        for i, run in enumerate(runs.mine):
-            slices, continues = runs.segments(row, run)
-            pieces = []
-            for n, sl in enumerate(slices):
-                if n == len(slices) - 1:  # the last segment: its final state is the run's S_ext
-                    out, final = call(row, sl, x[row : row + 1, sl], None, False, True)
-                    summaries[run.index, row, ..., :state_size] = final[0]
-                else:
-                    out = call(row, sl, x[row : row + 1, sl], None, False, False)
-                pieces.append(out)
-                if n == 0 and continues:
-                    pending.append((row, i, run, sl))
-            if continues and len(slices) == 1:  # no document starts in the run: the state decays through all of it
-                run_steps = steps[row, run.local_start : run.local_start + run.length]
-                decay = run_decay(A, run_steps)  # [H]
-                summaries[run.index, row, ..., state_size] = decay[:, None].expand(heads, head_dim)
-            outputs[row][i] = pieces
+    def transition(row: int, run: Run) -> torch.Tensor:
+        decay = run_decay(A, steps[row, run.local_start : run.local_start + run.length])  # [H]
+        return decay[:, None, None].expand(heads, head_dim, 1)
 
-    incoming, gathered = incoming_states(summaries, runs, group, state_size)
-    for row, i, run, sl in pending:
-        state = incoming[run.index][row : row + 1]
-        zeros = x.new_zeros(x[row : row + 1, sl].shape)
-        correction = call(row, sl, zeros, state, True, False)
-        outputs[row][i][0] = outputs[row][i][0] + correction
-    rows = [torch.cat([p for pieces in per_run for p in pieces], dim=1) for per_run in outputs]
-    out = torch.cat(rows, dim=0) if b > 1 else rows[0]
-    return touch(out, gathered).contiguous()
+    def correct(row: int, sl: slice, state: torch.Tensor) -> torch.Tensor:  # x = 0: D x vanishes
+        return call(row, sl, x.new_zeros(x[row : row + 1, sl].shape), state, True, False)
+
+    rec = Recurrence(
+        rows=b,
+        state=(heads, head_dim, B.shape[-1]),
+        m_cols=1,
+        inputs=(x, dt, A, B, C),
+        scan=segment,
+        correct=correct,
+        transition=transition,
+    )
+    return carry_runs(rec, runs, group, relay=relay).contiguous()
