@@ -42,21 +42,32 @@ class PatchRefused(ValueError):
     """A patch whose check failed against the installed library: nothing was changed."""
 
 
+@dataclass
+class _Values:
+    """What a patch swapped: kept by the registry for a module or class, in the object itself for an object's patch
+    (so that the registry holds the object only weakly, though a replacement such as a bound method refers to it)."""
+
+    replacement: Any
+    original: Any  # the owner's own attribute before (None with ``inherited``)
+    inherited: bool  # the owner had none of its own (the attribute came from its class / bases): undo deletes ours
+    before: Any  # ``getattr(owner, name)`` before the patch (what ``original()`` returns)
+    on_undo: Callable[[Any], None] | None
+
+
+_VALUES_ATTR = "_hf_sp_patched"  # an object's own dict: attribute name -> _Values
+
+
 @dataclass(eq=False)
 class Patch:
-    """One live swap: ``owner.name`` replaced by ``replacement``; ``original`` is the owner's own attribute before it
-    (``None`` with ``inherited``: it had none, the attribute came from its class / bases)."""
+    """One swap: ``owner.name`` replaced by ``replacement`` (``label``: ``module.Class.attr``, or
+    ``module.Class[where].attr`` for one object), why (``reason``) and what was checked first (``check``)."""
 
     label: str
     reason: str
     check: str  # what was checked before applying, or "none: <why no check is possible>"
     name: str
-    replacement: Any
-    original: Any
-    inherited: bool
-    before: Any  # ``getattr(owner, name)`` before the patch (``original()`` returns it)
-    _owner: Callable[[], Any] = field(repr=False)  # a strong or weak reference to the owner
-    _on_undo: Callable[[Any], None] | None = field(default=None, repr=False)
+    _owner: Callable[[], Any] = field(repr=False)  # a strong (module, class) or weak (object) reference
+    _values: _Values | None = field(default=None, repr=False)  # None: in the object's own dict
 
     @property
     def owner(self) -> Any:
@@ -64,10 +75,32 @@ class Patch:
 
     @property
     def per_object(self) -> bool:
-        return isinstance(self._owner, weakref.ref) or not isinstance(self.owner, (type, types.ModuleType))
+        return self._values is None
 
-    def live(self) -> bool:
-        """The owner still exists and still holds our replacement."""
+    def _get(self) -> _Values | None:
+        if self._values is not None:
+            return self._values
+        owner = self.owner
+        return None if owner is None else vars(owner)[_VALUES_ATTR][self.name]
+
+    @property
+    def replacement(self) -> Any:
+        return self._get().replacement
+
+    @property
+    def original(self) -> Any:
+        return self._get().original
+
+    @property
+    def inherited(self) -> bool:
+        return self._get().inherited
+
+    @property
+    def before(self) -> Any:
+        return self._get().before
+
+    def in_place(self) -> bool:
+        """The owner still exists and holds our replacement itself (not something put over it since)."""
         owner = self.owner
         return owner is not None and _current(owner, self.name) is self.replacement
 
@@ -174,13 +207,8 @@ def _refuse(label: str, reason: str, owner: Any, detail: str, fix: str | None) -
 
 
 def _reference(owner: Any) -> Callable[[], Any]:
-    if isinstance(owner, (type, types.ModuleType)):
-        return lambda: owner
     owner_id = id(owner)
-    try:
-        return weakref.ref(owner, lambda _: _forget(owner_id))
-    except TypeError:  # not weakly referenceable: held for the process (no such owner is patched today)
-        return lambda: owner
+    return weakref.ref(owner, lambda _: _forget(owner_id))
 
 
 def _forget(owner_id: int) -> None:
@@ -221,7 +249,9 @@ def patch(
         key = (id(owner), name)
         existing = _PATCHES.get(key)
         if existing is not None and existing.owner is owner:
-            if existing.live():
+            # An object's method may be wrapped over ours by the host (accelerate's mixed-precision forward): still
+            # in effect. A module or class attribute replaced since is someone else's: SP would silently be bypassed.
+            if existing.in_place() or existing.per_object:
                 return existing
             raise RuntimeError(
                 f"{existing.label} was replaced by someone else after hf_sp_trainer patched it ({existing.reason}); "
@@ -247,17 +277,23 @@ def patch(
                 pass
         original = _own(owner, name)
         setattr(owner, name, new)
+        values = _Values(
+            replacement=_current(owner, name),
+            original=None if original is _NOTHING else original,
+            inherited=original is _NOTHING,
+            before=effective,
+            on_undo=on_undo,
+        )
+        per_object = not isinstance(owner, (type, types.ModuleType)) and hasattr(owner, "__dict__")
+        if per_object:
+            vars(owner).setdefault(_VALUES_ATTR, {})[name] = values
         record = Patch(
             label=label,
             reason=reason,
             check=_describe(check, unchecked),
             name=name,
-            replacement=_current(owner, name),
-            original=None if original is _NOTHING else original,
-            inherited=original is _NOTHING,
-            before=effective,
-            _owner=_reference(owner),
-            _on_undo=on_undo,
+            _owner=_reference(owner) if per_object else (lambda: owner),
+            _values=None if per_object else values,
         )
         _PATCHES[key] = record
     logger.debug("patched %s (%s); checked: %s", record.label, reason, record.check)
@@ -277,19 +313,20 @@ def original(owner: Any, name: str) -> Any:
     return getattr(owner, name) if record is None else record.before
 
 
-def _restore(owner: Any, record: Patch) -> None:
-    if record.name == "__class__":
-        owner.__class__ = record.original
-    elif record.inherited:
-        delattr(owner, record.name)
+def _restore(owner: Any, name: str, values: _Values) -> None:
+    if name == "__class__":
+        owner.__class__ = values.original
+    elif values.inherited:
+        delattr(owner, name)
     else:
-        setattr(owner, record.name, record.original)
+        setattr(owner, name, values.original)
 
 
 def applied() -> list[Patch]:
-    """The patches live now, in the order they were applied."""
+    """The patches in effect now, in the order they were applied (an object's method another library wrapped since,
+    such as accelerate's mixed-precision forward, is still in effect: ``in_place()`` is False for it)."""
     with _LOCK:
-        return [p for p in _PATCHES.values() if p.owner is not None and p.live()]
+        return [p for p in _PATCHES.values() if p.owner is not None]
 
 
 def table(patches: list[Patch] | None = None) -> list[tuple[str, str, str]]:
@@ -310,23 +347,33 @@ def undo(target: Patch | str, *, force: bool = False) -> None:
         key = next((k for k, p in _PATCHES.items() if p is target), None)
         if key is None or owner is None:
             return
-        if not target.live() and not force:
+        if not target.in_place() and not force:
             raise RuntimeError(
-                f"{target.label} was replaced by someone else after hf_sp_trainer patched it; not undone."
+                f"{target.label} was replaced or wrapped by someone else after hf_sp_trainer patched it: not undone "
+                "(restoring the original would drop theirs)."
             )
+        values = target._get()
         del _PATCHES[key]
-        _restore(owner, target)
-    if target._on_undo is not None:
-        target._on_undo(owner)
+        _restore(owner, target.name, values)
+        if target.per_object:
+            vars(owner)[_VALUES_ATTR].pop(target.name, None)
+    if values.on_undo is not None:
+        values.on_undo(owner)
     logger.debug("unpatched %s", target.label)
 
 
 def undo_all() -> list[str]:
-    """Undo every live patch, newest first; returns the labels restored."""
-    done = []
+    """Undo every patch, newest first; returns the labels restored. Raises (after undoing the others) naming those
+    another library replaced or wrapped since, which stay."""
+    done, kept = [], []
     for record in reversed(applied()):
-        undo(record)
-        done.append(record.label)
+        if record.in_place():
+            undo(record)
+            done.append(record.label)
+        else:
+            kept.append(record.label)
+    if kept:
+        raise RuntimeError(f"not undone (replaced or wrapped by someone else since hf_sp_trainer patched them): {kept}")
     return done
 
 
