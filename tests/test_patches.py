@@ -151,6 +151,9 @@ def test_object_patches_are_held_weakly_and_undone(dummy):
 def test_teardown_excepthook_goes_through_the_registry(monkeypatch):
     from hf_sp_trainer.topology import teardown
 
+    earlier = patches.find(sys, "excepthook")  # a trainer built earlier in this process registered it
+    if earlier is not None:
+        patches.undo(earlier)
     monkeypatch.setitem(teardown._state, "registered", False)
     monkeypatch.setattr(teardown.atexit, "register", lambda fn: None)
     before = sys.excepthook

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging
 
+from .. import patches
 from ..attention.ring import ring_attention_op
 from ..comm.all_to_all import all_to_all_op
 from .offload import HostOffload
@@ -137,12 +138,63 @@ def _memory_class(cls: type) -> type:
     return _LAYER_CLASSES[cls]
 
 
+def check_checkpoint_function(cls: type) -> None:
+    """transformers' ``GradientCheckpointingLayer`` runs a checkpointed layer's forward through the instance's
+    ``_gradient_checkpointing_func(function, *args)`` (a probe layer in training mode), which the swapped class
+    wraps; and ``cls`` is such a layer."""
+    if not issubclass(cls, GradientCheckpointingLayer):
+        raise TypeError(f"{cls.__qualname__} is not a transformers GradientCheckpointingLayer")
+    _check_checkpoint_hook()
+
+
+@functools.cache
+def _check_checkpoint_hook() -> None:
+    class Probe(GradientCheckpointingLayer):
+        def forward(self, x, scale=1.0):
+            return x * scale
+
+    calls = []
+
+    def recorded(function, *args):
+        calls.append(args)
+        return function(*args)
+
+    probe = Probe()
+    probe.gradient_checkpointing, probe._gradient_checkpointing_func = True, recorded
+    x = torch.ones(2, requires_grad=True)
+    with torch.enable_grad():
+        out = probe(x, scale=3.0)
+    if len(calls) != 1 or calls[0][0] is not x or not torch.equal(out, x.detach() * 3):
+        raise ValueError(
+            "GradientCheckpointingLayer no longer runs a checkpointed layer through _gradient_checkpointing_func"
+        )
+
+
+def _unwrap_checkpoint_function(layer: torch.nn.Module) -> None:
+    """After an undo: transformers' own checkpoint function back where it keeps it, our settings gone."""
+    inner = layer.__dict__.pop("_sp_checkpoint_inner", None)
+    layer.__dict__.pop("_sp_checkpoint_settings", None)
+    if inner is not None:
+        layer.__dict__["_gradient_checkpointing_func"] = inner
+
+
 def wrap_checkpointed_layers(model: torch.nn.Module, context_fn=None, offload: HostOffload | None = None) -> int:
-    """Give every decoder layer of ``model`` these checkpoint settings (once); returns the number of layers."""
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    for layer in layers:
+    """Give every decoder layer of ``model`` these checkpoint settings (once, through the patch registry: the
+    layer's class swapped for one whose checkpoint function is wrapped); returns the number of layers."""
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
+    for name, layer in layers:
+        if not isinstance(layer, MemoryCheckpointedLayer):
+            patches.patch(
+                layer,
+                "__class__",
+                replacement=_memory_class(type(layer)),
+                check=check_checkpoint_function,
+                reason="checkpoint_policy / activation checkpoint offloading: the layer's checkpoint function wrapped",
+                where=name or type(model).__name__,
+                on_undo=_unwrap_checkpoint_function,
+            )
+        # set by transformers before the swap: shadowed by the class's property now, handed to it
         current = layer.__dict__.pop("_gradient_checkpointing_func", None)
-        layer.__class__ = _memory_class(type(layer))
         layer.__dict__["_sp_checkpoint_settings"] = (context_fn, offload)
         if current is not None and "_sp_checkpoint_inner" not in layer.__dict__:
             layer._gradient_checkpointing_func = current
