@@ -21,7 +21,7 @@ from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
 from torch import nn
 
 from ..collators import SPDataCollator, SPMultimodalCollator
-from ..integrations import cpu_backend
+from ..integrations import accelerate_sp, cpu_backend
 from ..integrations.throughput import add_throughput_callback
 from ..losses.sequence import check_loss_options, micro_batch_loss, sp_eval_loss
 from ..memory import enable_memory_features, hidden_from_base_trainer, loss_only_inputs
@@ -108,6 +108,9 @@ class SequenceParallelMixin:
         return bool(self.args.average_tokens_across_devices and accepts)
 
     def create_accelerator_and_postprocess(self):
+        # accelerate reads its PARALLELISM_CONFIG_* variables here: an SP request among them is ours (the configs
+        # routed it to sp_size without touching the environment)
+        accelerate_sp.apply_environ(self.args)
         with cpu_backend.accelerator_setup(self):  # FSDP2 / DeepSpeed over gloo on CPU-only machines
             super().create_accelerator_and_postprocess()
         if getattr(self.args, "sp_size", 1) > 1 and self.args.torch_compile:
