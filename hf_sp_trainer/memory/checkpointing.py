@@ -9,7 +9,7 @@ With ``activation_checkpointing`` every decoder layer runs through ``layer._grad
   all-to-alls (the ``hf_sp_trainer::all_to_all`` op); every other op (projections, MLP, norms, RoPE: ``O(s)``) is
   recomputed, and so is everything inside a hybrid mixer (``recompute_region``: its chunk matmuls are ``O(s)``).
   Exact: saved values are the ones the recomputation would produce.
-- ``activation_offloading`` moves what the checkpoint itself saves, the layer's input hidden states, to host memory
+- ``checkpoint_offloading`` moves what the checkpoint itself saves, the layer's input hidden states, to host memory
   (``offload.HostOffload``); on CPU there is no device memory to free and it is a no-op (with a warning).
 """
 
@@ -217,21 +217,22 @@ def checkpointed_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def enable_checkpoint_features(model: torch.nn.Module, args) -> None:
-    """Wrap the checkpoint function of ``model``'s checkpointed layers as ``args`` ask.
+    """Wrap the checkpoint function of ``model``'s checkpointed layers as ``args`` ask (``checkpoint_policy``,
+    ``checkpoint_offloading``).
 
     Transformers switches checkpointing on later (in ``Trainer.train``; PEFT / TRL may switch it on again), so the
     decoder layers are given, once, a class whose checkpoint function is always wrapped (``MemoryCheckpointedLayer``).
     Raises a ``ValueError`` for an unknown policy, and for either feature without (non-reentrant, for the policy)
     activation checkpointing.
     """
-    policy, offload = getattr(args, "checkpoint_policy", "full"), getattr(args, "activation_offloading", False)
+    policy, offload = getattr(args, "checkpoint_policy", "full"), getattr(args, "checkpoint_offloading", False)
     if policy not in POLICIES:
         raise ValueError(f"checkpoint_policy={policy!r} is not one of {POLICIES}.")
     selective = policy == "sequence_aware"
     if not (selective or offload):
         return
     wanted = " and ".join(
-        n for n, on in (("checkpoint_policy='sequence_aware'", selective), ("activation_offloading", offload)) if on
+        n for n, on in (("checkpoint_policy='sequence_aware'", selective), ("checkpoint_offloading", offload)) if on
     )
     if not (_checkpointing_on(args) or checkpointed_modules(model)):
         raise ValueError(
@@ -254,7 +255,7 @@ def enable_checkpoint_features(model: torch.nn.Module, args) -> None:
             hooks = HostOffload()
         else:
             logger.warning_once(
-                "activation_offloading=True has no effect on CPU: the checkpointed activations already live in host "
+                "checkpoint_offloading=True has no effect on CPU: the checkpointed activations already live in host "
                 "memory. Training proceeds without offloading."
             )
     if selective or hooks is not None:
