@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import ast
 import gc
 import logging
+import pathlib
 import sys
 import types
 
@@ -184,3 +186,184 @@ def test_router_loss_swap_is_listed_and_undone():
     patches.undo(record)
     assert module.load_balancing_loss_func is original
     torch.manual_seed(0)
+
+
+# -- nothing swaps library code around the registry ------------------------------------------------------------------
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hf_sp_trainer"
+# (file, function): the places allowed to do what the scan below flags, and why
+ALLOWED = {
+    ("memory/arguments.py", "resolve_deprecated_flags"): "our own config's deprecated field moved to its new name",
+    ("integrations/accelerate_sp.py", "apply_environ"): "the one entry point of the accelerate SP route",
+    ("cli/launch.py", "main"): "an entry point: DeepSpeed's accelerator for this process (setdefault)",
+    ("cli/trl_commands.py", "launch"): "an entry point: DeepSpeed's accelerator for this process (setdefault)",
+}
+
+
+def _imported_names(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """Names bound to modules (``import x``) and to classes imported by name (``from x import Class``)."""
+    modules, classes = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            classes |= {a.asname or a.name for a in node.names if (a.asname or a.name)[:1].isupper()}
+    return modules, classes
+
+
+def _swaps(path: pathlib.Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    modules, classes = _imported_names(tree)
+    where = str(path.relative_to(PACKAGE))
+    found = []
+
+    def flag(node, what, function):
+        if (where, function) not in ALLOWED:
+            found.append(f"{where}:{node.lineno} ({function}): {what}")
+
+    def visit(node, function):
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            targets = child.targets if isinstance(child, ast.Assign) else []
+            targets += [child.target] if isinstance(child, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                for t in target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]:
+                    if isinstance(t, ast.Attribute) and t.attr == "__class__":
+                        flag(child, "assigns __class__", name)
+                    elif isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name):
+                        if t.value.id in modules | classes:
+                            flag(child, f"assigns {t.value.id}.{t.attr}", name)
+                    if isinstance(t, ast.Subscript) and ast.unparse(t.value) == "os.environ":
+                        flag(child, "writes os.environ", name)
+            if isinstance(child, ast.Call):
+                func = ast.unparse(child.func)
+                if func == "setattr" and not (
+                    len(child.args) > 1 and isinstance(child.args[1], ast.Name) and child.args[1].id.endswith("_MARK")
+                ):  # marks: hf_sp_trainer's own attribute names on a module (position_rules, image_blocks, ulysses)
+                    flag(child, "calls setattr", name)
+                if func in ("os.environ.update", "os.environ.setdefault", "os.environ.pop", "os.putenv"):
+                    flag(child, f"calls {func}", name)
+            visit(child, name)
+
+    visit(tree, "<module>")
+    return found
+
+
+def test_no_swap_of_library_code_outside_the_registry():
+    """An AST scan of the package: no ``__class__`` assignment, no assignment to an attribute of an imported module or
+    class, no ``setattr`` and no ``os.environ`` write outside ``patches.py`` and the places in ``ALLOWED``."""
+    found = [
+        s for p in sorted(PACKAGE.rglob("*.py")) if p.name != "patches.py" or p.parent != PACKAGE for s in _swaps(p)
+    ]
+    assert not found, "swap these through hf_sp_trainer.patches.patch (or allow them with a reason):\n" + "\n".join(
+        found
+    )
+
+
+def test_the_scan_finds_swaps(tmp_path):
+    sample = PACKAGE / "_scan_sample.py"
+    try:
+        sample.write_text(
+            "import sys\nfrom torch import Tensor\n\ndef f(layer, new):\n    layer.__class__ = new\n"
+            "    sys.excepthook = print\n    Tensor.add = None\n    setattr(layer, 'forward', None)\n"
+        )
+        assert [s.split(": ", 1)[1] for s in _swaps(sample)] == [
+            "assigns __class__", "assigns sys.excepthook", "assigns Tensor.add", "calls setattr"
+        ]  # fmt: skip
+    finally:
+        sample.unlink()
+
+
+# -- what a trainer built in this process applies ------------------------------------------------------------------
+def _hybrid_trainer(tmp_path, model):
+    from hf_sp_trainer import SPTrainer, TrainingArguments
+    from tests.harness import quiet_args, synthetic_dataset
+
+    args = TrainingArguments(
+        **quiet_args(str(tmp_path), 1), per_device_train_batch_size=2, remove_unused_columns=False,
+        sp_size=1, tiled_mlp=True, fused_loss=True, checkpoint_policy="sequence_aware", activation_checkpointing=True,
+    )  # fmt: skip
+    return SPTrainer(model=model, args=args, train_dataset=synthetic_dataset(4, seed=1))
+
+
+def test_a_trainer_lists_its_patches_and_undo_all_restores_them(tmp_path):
+    """A hybrid model at sp_size 1 (documents kept apart: the mixer kernels) with the memory stack (fused loss: the
+    model's forward; tiled MLP and sequence-aware checkpointing: the MLPs' and layers' classes): ``applied()`` names
+    each, a second trainer on the same model stacks nothing, ``undo_all`` gives back the very originals."""
+    from hf_sp_trainer.memory.checkpointing import checkpointed_modules
+    from tests.harness import tiny_model
+
+    model = tiny_model("qwen3_5")
+    module = sys.modules[type(model).__module__]
+    kernels = {n: getattr(module, n) for n in ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")}
+    for record in patches.applied():  # what earlier tests left on this module: start from transformers' own
+        if record.owner is module:
+            patches.undo(record)
+    kernels = {n: getattr(module, n) for n in kernels}
+    layers = {name: type(m) for name, m in model.named_modules() if type(m).__name__ in ("Qwen3_5DecoderLayer",)}
+    mlps = {name: type(m) for name, m in model.named_modules() if type(m).__name__ == "Qwen3_5MLP"}
+    assert layers and mlps and "forward" not in vars(model)
+
+    trainer = _hybrid_trainer(tmp_path / "a", model)
+    labels = {r.label for r in patches.applied()}
+    prefix = f"{module.__name__}."
+    assert {prefix + n for n in kernels} <= labels
+    assert f"{prefix}Qwen3_5ForCausalLM[Qwen3_5ForCausalLM].forward" in labels
+    assert {f"{prefix}Qwen3_5MLP[{name}].__class__" for name in mlps} <= labels
+    assert {f"{prefix}Qwen3_5DecoderLayer[{name}].__class__" for name in layers} <= labels
+    assert "sys.excepthook" in labels
+    assert all(r.check and r.reason for r in patches.applied())
+    trainer.model.gradient_checkpointing_enable()  # transformers assigns the layers' checkpoint function
+    assert checkpointed_modules(model)
+
+    before = len(patches.applied())
+    _hybrid_trainer(tmp_path / "b", model)  # the same model again: no second layer of anything
+    assert len(patches.applied()) == before
+    assert module.causal_conv1d_fn.__wrapped__ is kernels["causal_conv1d_fn"]
+
+    del trainer
+    gc.collect()
+    restored = patches.undo_all()
+    assert not patches.applied() and len(restored) == before
+    assert all(getattr(module, n) is fn for n, fn in kernels.items())  # identity: transformers' own functions
+    assert "forward" not in vars(model)
+    assert {n: type(m) for n, m in model.named_modules() if n in layers} == layers
+    assert {n: type(m) for n, m in model.named_modules() if n in mlps} == mlps
+    assert all("_gradient_checkpointing_func" in vars(m) for m in checkpointed_modules(model))  # transformers' own
+
+
+def _sp_run_patches(family: str, out_dir: str) -> list[tuple[str, str, str]]:
+    """One SP training step (sp 2) of a tiny ``family`` model, no memory features: what is live afterwards."""
+    from hf_sp_trainer import SPTrainer, TrainingArguments
+    from tests.harness import quiet_args, synthetic_dataset, tiny_model
+
+    args = TrainingArguments(**quiet_args(out_dir, 1), per_device_train_batch_size=2, remove_unused_columns=False,
+                             sp_size=2, ddp_backend="gloo")  # fmt: skip
+    trainer = SPTrainer(model=tiny_model(family), args=args, train_dataset=synthetic_dataset(4, seed=1))
+    trainer.train()
+    table = patches.table()
+    trainer.end()
+    return table
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family, expected",
+    [
+        ("llama", set()),
+        ("qwen3_moe", {"transformers.models.qwen3_moe.modeling_qwen3_moe.load_balancing_loss_func",
+                       "transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func"}),
+        ("qwen3_5", {f"transformers.models.qwen3_5.modeling_qwen3_5.{name}" for name in (
+            "causal_conv1d_fn", "torch_chunk_gated_delta_rule", "causal_conv1d_update",
+            "torch_recurrent_gated_delta_rule")}),
+    ],
+)  # fmt: skip
+def test_a_plain_sp_run_applies_only_what_its_model_needs(family, expected, tmp_path):
+    """A plain SP run (sp 2, no memory features): the exit hook, and only the swaps its model's layers need (a dense
+    decoder none: SP attention is registered through transformers' AttentionInterface, no patch)."""
+    from tests.harness import run_distributed, unwrap_results
+
+    tables = unwrap_results(run_distributed(2, _sp_run_patches, family, str(tmp_path)))
+    assert tables[0] == tables[1]
+    labels = {label for label, _, _ in tables[0]}
+    assert labels == {"sys.excepthook"} | expected, tables[0]
+    print(family, *tables[0], sep="\n")
