@@ -367,3 +367,14 @@ def test_a_plain_sp_run_applies_only_what_its_model_needs(family, expected, tmp_
     labels = {label for label, _, _ in tables[0]}
     assert labels == {"sys.excepthook"} | expected, tables[0]
     print(family, *tables[0], sep="\n")
+
+
+def test_docs_list_every_module_that_patches():
+    """docs/patches.md's table names every module that calls ``patches.patch``."""
+    docs = (PACKAGE.parent / "docs" / "patches.md").read_text()
+    callers = {
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if p.name != "patches.py" and "patches.patch(" in p.read_text()
+    }
+    assert callers and not {c for c in callers if f"`{c}`" not in docs}, callers

@@ -11,8 +11,8 @@ windows). That stays a reading of the code, not a behaviour check: it classifies
 (about 200) before any weight is loaded or moved, and a behaviour check would have to build and run each layer type
 with inputs only its own family knows how to make. What keeps it honest is the family suite
 (``tests/test_model_families.py``): every causal-LM family of the installed transformers is exact under SP or refused,
-and a changed classification fails against ``docs/models.md``. The functions SP *swaps* are behaviour-checked when swapped (``mixers/swap.py``, through
-``hf_sp_trainer.patches``).
+and a changed classification fails against ``docs/models.md``. The functions SP *swaps* are behaviour-checked when
+swapped (``mixers/swap.py``, through ``hf_sp_trainer.patches``).
 """
 
 from __future__ import annotations
