@@ -207,7 +207,7 @@ class OnlineRLSPMixin(PreferenceSPMixin):
     @contextlib.contextmanager
     def _sp_dp_view(self):
         """Within: ``self.accelerator`` is a data-parallel view of the accelerator (``dp_accelerator_view``) and TRL's
-        module-level ``gather`` / ``gather_object`` keep one copy per SP group (``DataParallelGathers``). The
+        module-level ``gather`` / ``gather_object`` keep one copy per SP group (``patch_trl_gathers``). The
         accelerator itself is not modified: other holders of it see the real world."""
         if self.sp is None or self._sp_view_depth:
             self._sp_view_depth += 1
