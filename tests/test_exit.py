@@ -37,7 +37,7 @@ def test_exit_finished_worker_runs_exit_hooks_then_exits_zero(tmp_path):
     marker = tmp_path / "hook_ran"
     code = (
         "import atexit, pathlib, sys\n"
-        "from hf_sp_trainer.distributed.teardown import exit_finished_worker\n"
+        "from hf_sp_trainer.topology.teardown import exit_finished_worker\n"
         f"atexit.register(lambda: pathlib.Path({str(marker)!r}).write_text('yes'))\n"
         "sys.stdout.write('buffered, no newline')\n"
         "exit_finished_worker()\n"
