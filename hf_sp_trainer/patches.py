@@ -9,8 +9,9 @@ hybrid mixers' kernels), a class attribute (MiniMax's lightning-attention forwar
   unchanged). A patch without a check must say why none is possible (``unchecked=``);
 - records the target and keeps the original, so ``applied()`` lists what is live and ``undo`` / ``undo_all`` restore
   the originals (the owner's own attribute, or none: an inherited attribute is deleted again);
-- is idempotent: patching a live target again returns its record (nothing stacks); a target someone else replaced
-  after us raises instead of wrapping their replacement;
+- is idempotent: patching a target again returns its record (nothing stacks); a module or class attribute someone else
+  replaced after us raises instead of wrapping their replacement (an object's method wrapped over ours by the host,
+  such as accelerate's mixed-precision ``forward``, is still ours underneath: its record is returned);
 - logs one debug line when a patch goes live (logger ``hf_sp_trainer.patches``).
 
 Patches of one object (not a module or class) are held weakly: when the object dies its record goes with it.
