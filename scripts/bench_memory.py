@@ -44,13 +44,13 @@ COMBOS = {
     "fused_loss": {"fused_loss": True},
     "ckpt_full": {"gradient_checkpointing": True},
     "ckpt_seq_aware": {"gradient_checkpointing": True, "checkpoint_policy": "sequence_aware"},
-    "offload": {"gradient_checkpointing": True, "activation_offloading": True},
+    "offload": {"gradient_checkpointing": True, "checkpoint_offloading": True},
     "everything": {
         "tiled_mlp": True,
         "fused_loss": True,
         "gradient_checkpointing": True,
         "checkpoint_policy": "sequence_aware",
-        "activation_offloading": True,
+        "checkpoint_offloading": True,
     },
 }
 LLAMA_100M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,

@@ -351,7 +351,7 @@ def check_long_context(ctx: Ctx, lengths: list[int]) -> dict:
         shape.update(hidden_size=64, intermediate_size=160, num_attention_heads=4, num_key_value_heads=2)
         shape["vocab_size"] = 256
         lengths = [256, 512]
-    memory = SimpleNamespace(tiled_mlp=True, tiled_mlp_num_shards=None, fused_loss=True, activation_offloading=False,
+    memory = SimpleNamespace(tiled_mlp=True, tiled_mlp_num_shards=None, fused_loss=True, checkpoint_offloading=False,
                              checkpoint_policy="sequence_aware", gradient_checkpointing=True)  # fmt: skip
     runs: list[dict] = []
     last = None  # (tokens, seconds, layers) of the last step: predicts the next one's time

@@ -39,7 +39,7 @@ from tests.sft_harness import SFTCase, reference_run
 TOL = 1e-5
 GC = {"gradient_checkpointing": True}
 SAC = {"checkpoint_policy": "sequence_aware"}
-OFFLOAD = {"activation_offloading": True}
+OFFLOAD = {"checkpoint_offloading": True}
 CASES = [
     Case("sac_llama_sp2", train_overrides=GC, sp_overrides=SAC),
     Case(
@@ -180,14 +180,17 @@ def test_offload_on_cpu_is_a_warned_no_op(tmp_path, caplog):
     warning_once.cache_clear()
     with caplog.at_level(logging.WARNING, logger="hf_sp_trainer.memory.checkpointing"):
         trainer = _sp_trainer(tmp_path, max_steps=1, per_device_train_batch_size=2, **GC, **OFFLOAD)
-    assert "activation_offloading=True has no effect on CPU" in caplog.text
+    assert "checkpoint_offloading=True has no effect on CPU" in caplog.text
     trainer.train()
     layers = checkpointed_modules(trainer.model)
     assert layers and not any(isinstance(m._gradient_checkpointing_func, MemoryCheckpoint) for m in layers)
 
 
-def test_sp_sft_trainer_routes_activation_offloading_to_ours(tmp_path, caplog):
-    """TRL's own offloader needs an accelerator (on CPU it fails in SFTTrainer.__init__): SPSFTTrainer uses ours."""
+@pytest.mark.parametrize("flag", ["checkpoint_offloading", "activation_offloading"])
+def test_sp_sft_trainer_routes_activation_offloading_to_ours(tmp_path, caplog, flag):
+    """TRL's own offloader needs an accelerator (on CPU it fails in SFTTrainer.__init__): SPSFTTrainer uses ours.
+    ``activation_offloading`` (our flag's former name, also TRL's) still means ours, with a FutureWarning naming the
+    new one; TRL never sees it on."""
     from transformers.utils.logging import warning_once
 
     from hf_sp_trainer import SFTConfig, SPSFTTrainer
@@ -195,10 +198,13 @@ def test_sp_sft_trainer_routes_activation_offloading_to_ours(tmp_path, caplog):
     from tests.sft_harness import sft_dataset
 
     warning_once.cache_clear()
-    args = SFTConfig(
-        output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False, max_length=None, dataset_num_proc=None,
-        **OFFLOAD,
-    )  # fmt: skip
+    config = dict(output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False, max_length=None,
+                  dataset_num_proc=None, **{flag: True})  # fmt: skip
+    if flag == "activation_offloading":
+        with pytest.warns(FutureWarning, match="set checkpoint_offloading instead"):
+            args = SFTConfig(**config)
+    else:
+        args = SFTConfig(**config)
     with caplog.at_level(logging.WARNING, logger="hf_sp_trainer.memory.checkpointing"):
         trainer = SPSFTTrainer(
             model=tiny_model("llama"),
@@ -206,9 +212,22 @@ def test_sp_sft_trainer_routes_activation_offloading_to_ours(tmp_path, caplog):
             train_dataset=sft_dataset("text", 4, 0),
             processing_class=build_char_tokenizer(),
         )
-    assert args.activation_checkpointing and args.activation_offloading  # TRL checkpoints by default
+    assert args.activation_checkpointing and args.checkpoint_offloading  # TRL checkpoints by default
+    assert not args.activation_offloading  # TRL's flag: off, whichever name was used
     assert isinstance(trainer.maybe_activation_offload_context, contextlib.nullcontext)
-    assert "activation_offloading=True has no effect on CPU" in caplog.text
+    assert "checkpoint_offloading=True has no effect on CPU" in caplog.text
+
+
+def test_trl_config_activation_offloading_set_later_still_means_ours():
+    """A flag set after the config was built (no post-init) is routed when the trainer is built, as before."""
+    from hf_sp_trainer.memory import resolve_deprecated_flags
+    from hf_sp_trainer.trainers.arguments import TrainingArguments
+
+    args = TrainingArguments(output_dir="unused", use_cpu=True, report_to="none")
+    args.activation_offloading = True
+    with pytest.warns(FutureWarning, match="activation_offloading=True .* means checkpoint_offloading=True"):
+        resolve_deprecated_flags(args)
+    assert args.checkpoint_offloading and not args.activation_offloading
 
 
 # ----------------------------------------------------------------------------------------------------------------

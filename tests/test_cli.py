@@ -40,14 +40,14 @@ def test_one_parser_for_launcher_and_workers():
 
     argv = ["--model_name_or_path", "m", "--dataset_name", "d", "--output_dir", "o", "--use_cpu", "--sp_size", "2",
             "--tiled_mlp", "--tiled_mlp_num_shards", "4", "--checkpoint_policy",
-            "sequence_aware", "--activation_offloading", "--num_processes", "2"]  # fmt: skip
+            "sequence_aware", "--checkpoint_offloading", "--num_processes", "2"]  # fmt: skip
     namespace, config_remaining, cli_remaining = make_parser().parse_namespace(argv)
     assert config_remaining == [] and cli_remaining == ["--num_processes", "2"]
     assert (namespace.sp_size, namespace.sp_ring_size, namespace.tiled_mlp) == (2, None, True)
     single = [*argv[:-2], "--sp_size", "1"]  # this process is a one-process run: SFTConfig checks sp vs world
     _, args, _, _ = make_parser().parse_args_and_config(single)
     assert (args.tiled_mlp, args.tiled_mlp_num_shards, args.checkpoint_policy) == (True, 4, "sequence_aware")
-    assert args.activation_offloading and args.sp_ring_size is None
+    assert args.checkpoint_offloading and args.sp_ring_size is None
 
 
 @pytest.fixture(scope="module")

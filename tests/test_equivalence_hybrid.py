@@ -14,7 +14,7 @@ RING2 = {"sp_ring_size": 2}
 RELAY = {"sp_state_passing": "relay"}  # the state handed rank to rank (a debugging aid), not gathered
 SGD = dict(optim="sgd", steps=4)
 CHECKPOINTING = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
-MEMORY = dict(fused_loss=True, activation_offloading=True, checkpoint_policy="sequence_aware", **CHECKPOINTING)
+MEMORY = dict(fused_loss=True, checkpoint_offloading=True, checkpoint_policy="sequence_aware", **CHECKPOINTING)
 WORLD2 = [
     Case("qwen3_5_gdn_sgd_ga2", family="qwen3_5", grad_accum=2, **SGD),  # conv halo + state across the 2 ranks
     Case("qwen3_5_gdn_adamw", family="qwen3_5"),

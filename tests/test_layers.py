@@ -1,5 +1,7 @@
 """The package's import layers: every import inside ``hf_sp_trainer`` goes down this list, or stays in its own unit.
 
+``patches`` (the one registry every swap of library code goes through) comes first: every unit may patch.
+
 An AST pass over every module (imports inside functions and ``TYPE_CHECKING`` blocks included): a module of unit
 ``u`` may import from a unit listed before ``u``, or from ``u`` itself. So no two units import each other, and the
 layers read top to bottom: SP primitives and model facts -> features -> composition -> host integration -> entry
@@ -16,7 +18,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hf_sp_trainer"
 
 LAYERS: dict[str, list[str]] = {
-    "primitives and model facts": ["topology", "comm", "sharding", "model", "documents"],
+    "primitives and model facts": ["patches", "topology", "comm", "sharding", "model", "documents"],
     "features": ["losses", "attention", "multimodal", "memory", "mixers", "collators"],
     "composition": ["validate", "parallel"],
     "host integration": ["integrations", "planner", "trainers"],

@@ -55,7 +55,7 @@ def bench_setting(row: dict) -> Setting:
     checkpointing = fields.get("checkpoint_policy", "full") if fields.get("gradient_checkpointing") else "none"
     return Setting(gpus=row["sp"], sp=row["sp"], tiled_mlp=fields.get("tiled_mlp", False),
                    fused_loss=fields.get("fused_loss", False), checkpointing=checkpointing,
-                   offload=fields.get("activation_offloading", False), dtype="fp32", device="cpu")  # fmt: skip
+                   offload=fields.get("checkpoint_offloading", False), dtype="fp32", device="cpu")  # fmt: skip
 
 
 def compare(shape: ModelShape, row: dict) -> dict:

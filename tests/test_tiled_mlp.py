@@ -26,7 +26,7 @@ from tests.sft_harness import SFTCase, reference_run
 
 TOL = 1e-5
 TILED = {"tiled_mlp": True, "tiled_mlp_num_shards": 3}
-ALL_FEATURES = TILED | {"checkpoint_policy": "sequence_aware", "activation_offloading": True, "fused_loss": True}
+ALL_FEATURES = TILED | {"checkpoint_policy": "sequence_aware", "checkpoint_offloading": True, "fused_loss": True}
 CASES = [
     Case("tiled_llama_sp2", sp_overrides=TILED),
     Case(

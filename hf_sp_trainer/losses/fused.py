@@ -1,6 +1,7 @@
 """Fused chunked LM head + cross-entropy: the loss of a causal LM without its full ``[seq, vocab]`` logits.
 
-``enable_fused_loss(model)`` patches the causal-LM instance (under PEFT: the base model) so that a forward with labels
+``enable_fused_loss(model)`` patches the causal-LM instance's ``forward`` (under PEFT: the base model's), through the
+patch registry, so that a forward with labels
 that needs no logits runs the backbone, then the LM head and the cross-entropy over chunks of tokens. As in Liger's
 patched forwards, ``skip_logits`` says whether logits are needed: by default not in training mode with labels (a
 training step only uses the loss), and a loss-only evaluation passes ``skip_logits=True`` (``loss_only_inputs``). Each
@@ -21,7 +22,6 @@ import functools
 import math
 import os
 import types
-import weakref
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import logging
 
+from .. import patches
 from ..model.decoder import unwrap_peft
 from ..sharding import IGNORE_INDEX
 from ..sharding import shift_labels as shifted
@@ -71,13 +72,24 @@ def check_fused_loss_model(model: nn.Module) -> None:
 
 def enable_fused_loss(model: nn.Module) -> None:
     """Patch a causal LM (not its PEFT wrapper) so that a forward with labels and ``skip_logits`` (default: in training
-    mode) returns the fused loss and no logits."""
+    mode) returns the fused loss and no logits. The instance's ``forward`` goes through the patch registry (held
+    weakly: the record dies with the model), after checking that the model's own loss is the one computed here."""
     check_fused_loss_model(model)
     if has_fused_loss(model):
         return
-    original_forward = model.forward
     softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+    patches.patch(
+        model,
+        "forward",
+        wrap=functools.partial(_fused_forward, model, softcap),
+        check=functools.partial(check_same_loss, model),
+        reason="fused_loss: the LM head and cross-entropy over chunks of tokens, without the [seq, vocab] logits",
+        fix="Set fused_loss=False for this model.",
+        where=type(model).__name__,
+    )
 
+
+def _fused_forward(model: nn.Module, softcap: float | None, original_forward):
     # keeps the signature (with ``self``) that the Trainer inspects for its columns
     @functools.wraps(getattr(original_forward, "__func__", type(model).forward))
     def forward(self, *args, **kwargs):
@@ -100,23 +112,45 @@ def enable_fused_loss(model: nn.Module) -> None:
             attentions=getattr(outputs, "attentions", None),
         )
 
-    model.forward = types.MethodType(forward, model)
-    _FUSED.add(model)
+    return types.MethodType(forward, model)
+
+
+def check_same_loss(model: nn.Module, forward=None) -> None:
+    """The model's own loss (``model.loss_function``: transformers' ``ForCausalLMLoss``) equals the fused one on a
+    small input: labels shifted by one, -100 ignored, summed over ``num_items_in_batch`` (the mean without it)."""
+    _check_loss_function(model.loss_function)
+
+
+@functools.cache
+def _check_loss_function(loss_function) -> None:
+    generator = torch.Generator().manual_seed(0)
+    head = torch.nn.utils.skip_init(nn.Linear, 4, 7, bias=False)  # no draw from the global RNG
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(7, 4, generator=generator))
+        hidden = torch.randn(2, 5, 4, generator=generator)
+        labels = torch.randint(0, 7, (2, 5), generator=generator)
+        labels[0, 3:] = IGNORE_INDEX
+        shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+        for count in (None, torch.tensor(11)):
+            theirs = loss_function(logits=head(hidden), labels=labels, vocab_size=7, num_items_in_batch=count)
+            ours = fused_linear_cross_entropy(hidden, shifted, head, count, chunk_tokens=3)
+            if not torch.allclose(theirs.float(), ours.float(), atol=1e-6):
+                raise ValueError(
+                    f"the model's loss ({getattr(loss_function, '__name__', loss_function)}) is not the causal-LM "
+                    f"cross-entropy fused_loss computes ({float(theirs)} vs {float(ours)})"
+                )
 
 
 def has_fused_loss(model: nn.Module) -> bool:
     """Whether ``model`` (or the causal LM under its PEFT wrapper) computes the fused loss."""
     model = getattr(model, "module", model)  # DDP / DeepSpeed engine
     model = unwrap_peft(model)
-    return model in _FUSED
+    return patches.find(model, "forward") is not None
 
 
 def loss_only_inputs(model: nn.Module, inputs: dict[str, Any]) -> dict[str, Any]:
     """The inputs of a forward whose logits are not needed (a loss-only evaluation): the fused loss, if enabled."""
     return {**inputs, SKIP_LOGITS: True} if has_fused_loss(model) else inputs
-
-
-_FUSED: weakref.WeakSet = weakref.WeakSet()
 
 
 def fused_linear_cross_entropy(

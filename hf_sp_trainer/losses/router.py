@@ -12,9 +12,10 @@ single-device loss and each rank's gradient flows through its own router probabi
 gradient). A share is what every other SP loss term is (each rank's cross-entropy is its tokens' sum over the step's
 count), so the Trainer's loss path stays exact as it is; TRL's paths read the recorded ``(share, value)``.
 
-The model's own function is swapped in its modeling module (and in Mixtral's, which TRL's fused LM head imports), in
-one place, only after checking on a small input that the installed function still computes this formula; inside
-an SP forward the swap computes the share, outside it calls transformers' function. A module whose function is
+The model's own function is swapped in its modeling module (and in Mixtral's, which TRL's fused LM head imports)
+through the patch registry (``hf_sp_trainer.patches``), only after checking on a small input that the installed
+function still computes this formula; inside an SP forward the swap computes the share, outside it calls
+transformers' function. A module whose function is
 another formula (Doge's product-key experts) raises under SP instead of training on shard-local statistics. The SP
 pad document is excluded through the ``attention_mask`` the sharding gives a padded shard, exactly as transformers
 excludes padding.
@@ -33,10 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import patches
+
 FUNCTION = "load_balancing_loss_func"
 TRL_FUSED_HEAD_MODULE = "transformers.models.mixtral.modeling_mixtral"  # where TRL's fused LM head imports it from
-_ORIGINALS: dict[str, Callable] = {}  # module name -> transformers' own function (swapped out)
-_CANONICAL: dict[str, bool] = {}  # module name -> computes the formula above (checked once)
 _ACTIVE: list[RouterLoss] = []  # the SP model whose forward is running (innermost last)
 
 
@@ -132,31 +133,67 @@ def modules_to_swap(model: nn.Module) -> list[str]:
     return sorted(n for n in names if hasattr(sys.modules.get(n), FUNCTION))
 
 
-def swap_in(module_name: str) -> None:
-    """Replace ``module_name.load_balancing_loss_func`` by the SP-aware one (once; checked against the original)."""
-    module = sys.modules[module_name]
-    if module_name in _ORIGINALS:
-        if getattr(module, FUNCTION) is not _ORIGINALS[module_name]._sp_swap:  # type: ignore[attr-defined]
-            raise RuntimeError(f"{module_name}.{FUNCTION} was replaced by someone else after SP swapped it.")
-        return
-    original = getattr(module, FUNCTION)
-    _CANONICAL[module_name] = computes_the_formula(original)
-    _ORIGINALS[module_name] = original
+def swap_in(module_name: str) -> patches.Patch:
+    """Replace ``module_name.load_balancing_loss_func`` by the SP-aware one, through the patch registry (once).
 
+    A function that computes the formula above gets the entry computing this rank's share under SP (checked first:
+    ``check_the_formula``); any other (Doge's product-key experts) gets one that refuses under SP, so that it never
+    trains on shard-local statistics. Outside an SP forward both call transformers' function."""
+    module = sys.modules[module_name]
+    record = patches.find(module, FUNCTION)
+    if record is not None:
+        return record
+    if computes_the_formula(getattr(module, FUNCTION)):
+        return patches.patch(
+            module,
+            FUNCTION,
+            wrap=functools.partial(_share_entry, module_name),
+            check=check_the_formula,
+            reason="the MoE router loss of an SP forward: each rank's share of the whole sequence's loss",
+            fix="Set output_router_logits=False (or router_aux_loss_coef=0), or sp_size=1.",
+        )
+    return patches.patch(
+        module,
+        FUNCTION,
+        wrap=functools.partial(_refusing_entry, module_name),
+        unchecked="another formula than SP's (computes_the_formula is False): under SP the entry raises, outside it "
+        "calls the installed function unchanged, so it assumes nothing about that function",
+        reason="refuse a load-balancing loss SP can't make exact (another formula) inside an SP forward",
+    )
+
+
+def _share_entry(module_name: str, original: Callable) -> Callable:
     @functools.wraps(original)
     def load_balancing_loss_func(*args, **kwargs):
         if not _ACTIVE:
             return original(*args, **kwargs)
-        if not _CANONICAL[module_name]:
-            raise ValueError(
-                f"{module_name}.{FUNCTION} is not the load-balancing formula sequence parallelism makes exact "
-                "(E * sum_e f_e * P_e over all layers' tokens); under SP it would see only this rank's shard. Set "
-                "output_router_logits=False (or router_aux_loss_coef=0), or sp_size=1."
-            )
         return _ACTIVE[-1].share(*_canonical_args(*args, **kwargs))
 
-    original._sp_swap = load_balancing_loss_func  # type: ignore[attr-defined]
-    setattr(module, FUNCTION, load_balancing_loss_func)
+    return load_balancing_loss_func
+
+
+def _refusing_entry(module_name: str, original: Callable) -> Callable:
+    @functools.wraps(original)
+    def load_balancing_loss_func(*args, **kwargs):
+        if not _ACTIVE:
+            return original(*args, **kwargs)
+        raise ValueError(
+            f"{module_name}.{FUNCTION} is not the load-balancing formula sequence parallelism makes exact "
+            "(E * sum_e f_e * P_e over all layers' tokens); under SP it would see only this rank's shard. Set "
+            "output_router_logits=False (or router_aux_loss_coef=0), or sp_size=1."
+        )
+
+    return load_balancing_loss_func
+
+
+def check_the_formula(fn: Callable) -> None:
+    """The installed function is transformers' pooled load-balancing loss ``E * sum_e (C_e / R) * (S_e / R)`` over
+    all layers' tokens: its value on a small input, with and without a padding mask, equals ``router_sums``'."""
+    if not computes_the_formula(fn):
+        raise ValueError(
+            f"{getattr(fn, '__module__', '?')}.{FUNCTION} no longer computes the pooled load-balancing loss "
+            "sequence parallelism makes exact"
+        )
 
 
 def _canonical_args(gate_logits, num_experts=None, top_k=2, attention_mask=None):
@@ -198,4 +235,4 @@ def _configs(model: nn.Module) -> list:
     return [config, text]
 
 
-__all__ = ["RouterLoss", "computes_the_formula", "router_sums", "sp_router_loss", "swap_in"]
+__all__ = ["RouterLoss", "check_the_formula", "computes_the_formula", "router_sums", "sp_router_loss", "swap_in"]

@@ -46,7 +46,12 @@ def check_loss_options(trainer: Any) -> None:
 
 def passes_loss_kwargs(model) -> bool:
     """The forward hands its ``**kwargs`` to ``self.loss_function`` (the Qwen-VL family does, though it sets
-    ``accepts_loss_kwargs = False`` so that the Trainer averages its loss per micro-batch)."""
+    ``accepts_loss_kwargs = False`` so that the Trainer averages its loss per micro-batch).
+
+    Read from the forward's code, not checked by behaviour: a behaviour check would run the whole model's forward at
+    trainer construction with ``loss_function`` (a property of every transformers model) intercepted, before ZeRO-3
+    / FSDP2 have placed the weights. A wrong answer refuses the model (``check_loss_options``), it never trains
+    differently; tests/test_multimodal.py checks the Qwen-VL losses exact under SP."""
     import ast
     import inspect
     import textwrap

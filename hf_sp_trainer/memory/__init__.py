@@ -6,30 +6,11 @@ any ``sp_size``, including 1). Everything happens on the model: the trainers onl
 
 from __future__ import annotations
 
-import contextlib
-
 from torch import nn
 
 from ..losses.fused import loss_only_inputs
 from ..model.decoder import unwrap_peft
-from .arguments import MemoryArguments
-
-# TRL trainers have a flag named like ours and would act on it themselves (TRL's offloading of every saved activation,
-# accelerators only); ours replaces it, so the base trainer's constructor sees it off.
-OWNED_FLAGS = ("activation_offloading",)
-
-
-@contextlib.contextmanager
-def hidden_from_base_trainer(args):
-    """Within: the memory-stack flags a base trainer also defines (``OWNED_FLAGS``) read False; restored after."""
-    saved = {name: getattr(args, name) for name in OWNED_FLAGS if getattr(args, name, False)}
-    for name in saved:
-        setattr(args, name, False)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(args, name, value)
+from .arguments import MemoryArguments, resolve_deprecated_flags
 
 
 def enable_memory_features(model: nn.Module, args, *, lm_loss_fused: bool = False) -> None:
@@ -51,7 +32,7 @@ def enable_memory_features(model: nn.Module, args, *, lm_loss_fused: bool = Fals
         apply_tiled_mlp(model, args.tiled_mlp_num_shards)
     from .checkpointing import enable_checkpoint_features
 
-    enable_checkpoint_features(model, args)  # checkpoint_policy, activation_offloading
+    enable_checkpoint_features(model, args)  # checkpoint_policy, checkpoint_offloading
 
 
-__all__ = ["MemoryArguments", "enable_memory_features", "hidden_from_base_trainer", "loss_only_inputs"]
+__all__ = ["MemoryArguments", "enable_memory_features", "loss_only_inputs", "resolve_deprecated_flags"]

@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
+
+# Our flag's former name, which TRL's configs also define (TRL's own offloading, which needs an accelerator): on our
+# configs and in the SP trainers it means checkpoint_offloading (with a FutureWarning), as it always did.
+DEPRECATED_ALIASES = {"activation_offloading": "checkpoint_offloading"}
+
+
+def resolve_deprecated_flags(args) -> None:
+    """Move a deprecated flag set on ``args`` to its new name (a FutureWarning naming it) and switch the old one off,
+    so that a base trainer defining a flag of that name (TRL's ``activation_offloading``) never acts on it."""
+    for old, new in DEPRECATED_ALIASES.items():
+        if getattr(args, old, False):
+            warnings.warn(
+                f"{old}=True on a hf_sp_trainer config or trainer means {new}=True (hf_sp_trainer's offloading of "
+                f"the activations saved by checkpointing; TRL's own {old} is not used): set {new} instead, {old} "
+                "will be removed.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            setattr(args, new, True)
+            setattr(args, old, False)
 
 
 @dataclass
@@ -33,12 +54,20 @@ class MemoryArguments:
             "TRL's nll/dft loss already uses a fused LM head."
         },
     )
-    activation_offloading: bool = field(
+    checkpoint_offloading: bool = field(
         default=False,
         metadata={
             "help": "Move the hidden states saved by activation (gradient) checkpointing to host memory, "
             "asynchronously with pinned buffers on GPU. A no-op with a warning on CPU. Needs activation "
-            "checkpointing (ValueError otherwise). Replaces TRL's activation offloading in SPSFTTrainer."
+            "checkpointing (ValueError otherwise). Formerly activation_offloading (a deprecated alias)."
+        },
+    )
+    activation_offloading: bool = field(
+        default=False,
+        metadata={
+            "help": "Deprecated alias of checkpoint_offloading (a FutureWarning). TRL's configs have their own flag of "
+            "this name (TRL's offloading of every saved activation); the SP trainers route it to "
+            "checkpoint_offloading instead."
         },
     )
     checkpoint_policy: str = field(
@@ -50,3 +79,9 @@ class MemoryArguments:
             "choices": ["full", "sequence_aware"],
         },
     )
+
+    def __post_init__(self):
+        resolve_deprecated_flags(self)  # before the base config's own post-init (TRL's) sees the old name
+        parent = getattr(super(), "__post_init__", None)
+        if parent is not None:
+            parent()

@@ -9,7 +9,7 @@ With ``activation_checkpointing`` every decoder layer runs through ``layer._grad
   all-to-alls (the ``hf_sp_trainer::all_to_all`` op); every other op (projections, MLP, norms, RoPE: ``O(s)``) is
   recomputed, and so is everything inside a hybrid mixer (``recompute_region``: its chunk matmuls are ``O(s)``).
   Exact: saved values are the ones the recomputation would produce.
-- ``activation_offloading`` moves what the checkpoint itself saves, the layer's input hidden states, to host memory
+- ``checkpoint_offloading`` moves what the checkpoint itself saves, the layer's input hidden states, to host memory
   (``offload.HostOffload``); on CPU there is no device memory to free and it is a no-op (with a warning).
 """
 
@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging
 
+from .. import patches
 from ..attention.ring import ring_attention_op
 from ..comm.all_to_all import all_to_all_op
 from ..model.decoder import decoder_layers
@@ -137,12 +139,63 @@ def _memory_class(cls: type) -> type:
     return _LAYER_CLASSES[cls]
 
 
+def check_checkpoint_function(cls: type) -> None:
+    """transformers' ``GradientCheckpointingLayer`` runs a checkpointed layer's forward through the instance's
+    ``_gradient_checkpointing_func(function, *args)`` (a probe layer in training mode), which the swapped class
+    wraps; and ``cls`` is such a layer."""
+    if not issubclass(cls, GradientCheckpointingLayer):
+        raise TypeError(f"{cls.__qualname__} is not a transformers GradientCheckpointingLayer")
+    _check_checkpoint_hook()
+
+
+@functools.cache
+def _check_checkpoint_hook() -> None:
+    class Probe(GradientCheckpointingLayer):
+        def forward(self, x, scale=1.0):
+            return x * scale
+
+    calls = []
+
+    def recorded(function, *args):
+        calls.append(args)
+        return function(*args)
+
+    probe = Probe()
+    probe.gradient_checkpointing, probe._gradient_checkpointing_func = True, recorded
+    x = torch.ones(2, requires_grad=True)
+    with torch.enable_grad():
+        out = probe(x, scale=3.0)
+    if len(calls) != 1 or calls[0][0] is not x or not torch.equal(out, x.detach() * 3):
+        raise ValueError(
+            "GradientCheckpointingLayer no longer runs a checkpointed layer through _gradient_checkpointing_func"
+        )
+
+
+def _unwrap_checkpoint_function(layer: torch.nn.Module) -> None:
+    """After an undo: transformers' own checkpoint function back where it keeps it, our settings gone."""
+    inner = layer.__dict__.pop("_sp_checkpoint_inner", None)
+    layer.__dict__.pop("_sp_checkpoint_settings", None)
+    if inner is not None:
+        layer.__dict__["_gradient_checkpointing_func"] = inner
+
+
 def wrap_checkpointed_layers(model: torch.nn.Module, context_fn=None, offload: HostOffload | None = None) -> int:
-    """Give every decoder layer of ``model`` these checkpoint settings (once); returns the number of layers."""
-    layers = decoder_layers(model)
-    for layer in layers:
+    """Give every decoder layer of ``model`` these checkpoint settings (once, through the patch registry: the
+    layer's class swapped for one whose checkpoint function is wrapped); returns the number of layers."""
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
+    for name, layer in layers:
+        if not isinstance(layer, MemoryCheckpointedLayer):
+            patches.patch(
+                layer,
+                "__class__",
+                replacement=_memory_class(type(layer)),
+                check=check_checkpoint_function,
+                reason="checkpoint_policy / activation checkpoint offloading: the layer's checkpoint function wrapped",
+                where=name or type(model).__name__,
+                on_undo=_unwrap_checkpoint_function,
+            )
+        # set by transformers before the swap: shadowed by the class's property now, handed to it
         current = layer.__dict__.pop("_gradient_checkpointing_func", None)
-        layer.__class__ = _memory_class(type(layer))
         layer.__dict__["_sp_checkpoint_settings"] = (context_fn, offload)
         if current is not None and "_sp_checkpoint_inner" not in layer.__dict__:
             layer._gradient_checkpointing_func = current
@@ -165,21 +218,22 @@ def checkpointed_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def enable_checkpoint_features(model: torch.nn.Module, args) -> None:
-    """Wrap the checkpoint function of ``model``'s checkpointed layers as ``args`` ask.
+    """Wrap the checkpoint function of ``model``'s checkpointed layers as ``args`` ask (``checkpoint_policy``,
+    ``checkpoint_offloading``).
 
     Transformers switches checkpointing on later (in ``Trainer.train``; PEFT / TRL may switch it on again), so the
     decoder layers are given, once, a class whose checkpoint function is always wrapped (``MemoryCheckpointedLayer``).
     Raises a ``ValueError`` for an unknown policy, and for either feature without (non-reentrant, for the policy)
     activation checkpointing.
     """
-    policy, offload = getattr(args, "checkpoint_policy", "full"), getattr(args, "activation_offloading", False)
+    policy, offload = getattr(args, "checkpoint_policy", "full"), getattr(args, "checkpoint_offloading", False)
     if policy not in POLICIES:
         raise ValueError(f"checkpoint_policy={policy!r} is not one of {POLICIES}.")
     selective = policy == "sequence_aware"
     if not (selective or offload):
         return
     wanted = " and ".join(
-        n for n, on in (("checkpoint_policy='sequence_aware'", selective), ("activation_offloading", offload)) if on
+        n for n, on in (("checkpoint_policy='sequence_aware'", selective), ("checkpoint_offloading", offload)) if on
     )
     if not (_checkpointing_on(args) or checkpointed_modules(model)):
         raise ValueError(
@@ -202,7 +256,7 @@ def enable_checkpoint_features(model: torch.nn.Module, args) -> None:
             hooks = HostOffload()
         else:
             logger.warning_once(
-                "activation_offloading=True has no effect on CPU: the checkpointed activations already live in host "
+                "checkpoint_offloading=True has no effect on CPU: the checkpointed activations already live in host "
                 "memory. Training proceeds without offloading."
             )
     if selective or hooks is not None:

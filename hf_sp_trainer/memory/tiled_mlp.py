@@ -10,8 +10,9 @@ at a time. Each tile is differentiated with ``torch.autograd.grad`` (nothing acc
 are summed; the sums reach ``.grad`` once per call, as without tiling (returned by the autograd Function, or under
 ZeRO-3 accumulated with the last tile): DDP / FSDP2 / DeepSpeed reduce gradients from hooks on that accumulation.
 
-The MLP is switched to a tiled subclass of its own class (``module.__class__`` replacement, as FSDP2 does), so
-parameter names, state dicts, LoRA adapters and hooks are unchanged.
+The MLP is switched to a tiled subclass of its own class (``module.__class__`` replacement, as FSDP2 does, through the
+patch registry after a check that the MLP is per token), so parameter names, state dicts, LoRA adapters and hooks are
+unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from .. import patches
 from ..model.decoder import decoder_layers
 
 _TILED_CLASSES: dict[type, type] = {}
@@ -171,15 +174,61 @@ def apply_tiled_mlp(model: nn.Module, num_shards: int | None = None) -> int:
             f"{len(layers)} decoder layers and unsupported parts {bad or '(no decoder layers)'}. Set tiled_mlp=False "
             "for this model."
         )
+    names = {id(m): n for n, m in model.named_modules()}
     for mlp in mlps:
-        mlp.__class__ = _tiled_class(type(mlp))
+        if not isinstance(mlp, TiledMLP):
+            patches.patch(
+                mlp,
+                "__class__",
+                replacement=_tiled_class(type(mlp)),
+                check=functools.partial(check_per_token, mlp),
+                reason="tiled_mlp: the MLP's forward run one token tile at a time, each tile recomputed in backward",
+                fix="Set tiled_mlp=False for this model.",
+                where=names.get(id(mlp)),
+                on_undo=_forget_shards,
+            )
         mlp.tiled_mlp_num_shards = num_shards
     return len(mlps)
+
+
+_PER_TOKEN_CHECKED: set[type] = set()
+
+
+def check_per_token(mlp: nn.Module, cls: type | None = None) -> None:
+    """The MLP is per token, what tiling relies on: its output for three tokens equals its outputs for each token
+    alone (one forward of this instance on a small input, once per class; skipped where the parameters are not
+    materialised here: ZeRO-3 placeholders, the meta device, where only the structure was checked)."""
+    cls = type(mlp)
+    params = list(mlp.parameters())
+    hidden = getattr(getattr(mlp, "down_proj", None), "out_features", None)
+    if cls in _PER_TOKEN_CHECKED or not params or hidden is None:
+        return
+    if any(p.numel() == 0 or p.is_meta or hasattr(p, "ds_id") or isinstance(p.data, DTensor) for p in params):
+        return
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 3, hidden, generator=generator).to(device=params[0].device, dtype=params[0].dtype)
+    modes = {m: m.training for m in mlp.modules()}
+    mlp.eval()  # no dropout (a LoRA adapter's): deterministic, and no draw from the global RNG
+    try:
+        with torch.no_grad():
+            whole = mlp(x).float()
+            alone = torch.cat([mlp(x[:, i : i + 1]) for i in range(3)], dim=1).float()
+    finally:
+        for module, training in modes.items():
+            module.training = training
+    tolerance = 1e-4 if params[0].dtype == torch.float32 else 3e-2
+    if not torch.allclose(whole, alone, rtol=tolerance, atol=tolerance * float(whole.abs().max().clamp(min=1))):
+        raise ValueError(f"{cls.__qualname__} mixes tokens (its output for a token depends on the others)")
+    _PER_TOKEN_CHECKED.add(cls)
+
+
+def _forget_shards(mlp: nn.Module) -> None:
+    mlp.__dict__.pop("tiled_mlp_num_shards", None)
 
 
 def remove_tiled_mlp(model: nn.Module) -> None:
     """Undo ``apply_tiled_mlp``."""
     for module in model.modules():
-        if isinstance(module, TiledMLP):
-            module.__class__ = next(c for c in type(module).__mro__[1:] if not issubclass(c, TiledMLP))
-            module.__dict__.pop("tiled_mlp_num_shards", None)
+        record = patches.find(module, "__class__")
+        if isinstance(module, TiledMLP) and record is not None:
+            patches.undo(record)

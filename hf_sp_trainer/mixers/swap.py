@@ -2,16 +2,17 @@
 
 transformers' hybrid layers call module-level kernel functions of their modeling module (``causal_conv1d_fn``,
 ``torch_chunk_gated_delta_rule``, ...) with the decoder's ``**kwargs``, which under SP carry the whole sequence's
-document bounds. ``attach_mixers`` swaps each such function of the model's modeling modules for an entry that runs
-the exact SP version when those bounds are present (an SP forward) and transformers' function otherwise. A
-function is swapped only after a check on a small input that the installed one still computes what the SP version
-relies on (``check_kernel``: transformers' torch path, and the kernel its hub wrapper dispatches to where that can run
-here); a test fails loudly when a release moves or changes one.
+document bounds. ``attach_mixers`` swaps each such function of the model's modeling modules, through the patch
+registry (``hf_sp_trainer.patches``), for an entry that runs the exact SP version when those bounds are present (an
+SP forward) and transformers' function otherwise. A function is swapped only after a check on a small input that the
+installed one still computes what the SP version relies on (``check_kernel``: transformers' torch path, and the kernel
+its hub wrapper dispatches to where that can run here); a test fails loudly when a release moves or changes one.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import patches
 from ..documents import BOUNDS_KWARG, SP_KWARG, DocumentHook
 from ..memory.checkpointing import recompute_region
 from ..model.mixers import DECODE_ONLY_KERNELS, SP_KERNELS, SP_MODULES, covered_mixers
@@ -170,6 +172,18 @@ def _lightning_entry(original: Callable) -> Callable:
     return forward
 
 
+def _kernel_check(module_name: str, name: str, device, fn: Callable) -> None:
+    """``check_kernel``: the installed kernel still computes what its SP version relies on (a small input, on the
+    CPU and where the kernel its hub wrapper dispatches to runs)."""
+    check_kernel(module_name, name, fn, device)
+
+
+def _kernel_check(module_name: str, name: str, device, fn: Callable) -> None:
+    """``check_kernel``: the installed kernel still computes what its SP version relies on (a small input, on the
+    CPU and where the kernel its hub wrapper dispatches to runs)."""
+    check_kernel(module_name, name, fn, device)
+
+
 ENTRIES: dict[str, Callable[[Callable], Callable]] = {
     "causal_conv1d_fn": _conv_entry,
     "torch_chunk_gated_delta_rule": _gdn_entry,
@@ -181,6 +195,32 @@ assert set(ENTRIES) == set(SP_KERNELS), "detect.SP_KERNELS must name exactly the
 # Mixer classes whose forward is swapped (no kernel function to hook): class name -> entry
 MODULE_ENTRIES: dict[str, Callable[[Callable], Callable]] = {"MiniMaxLightningAttention": _lightning_entry}
 assert set(MODULE_ENTRIES) == set(SP_MODULES), "detect.SP_MODULES must name exactly the swapped classes"
+_FIX = "Use sp_size=1 for this model, or the transformers version hf_sp_trainer is tested with."
+_REASONS: dict[Callable, str] = {
+    _conv_entry: "the exact SP causal conv1d of hybrid layers (each document's conv across the SP ranks)",
+    _gdn_entry: "the exact SP chunked delta rule (recurrent state passed across the SP ranks)",
+    _mamba2_entry: "the exact SP Mamba2 chunk scan (recurrent state passed across the SP ranks)",
+    _unfused_entry: "switch Mamba2's fused whole-layer path off under SP (the layer falls back to the swapped kernels)",
+    _decode_only_entry: "refuse cached-decoding kernels inside an SP forward (SP runs without a cache)",
+}
+# Entries with nothing to check: outside an SP forward they call the installed function unchanged, inside one they
+# raise instead of calling it, so no property of the installed function is relied on.
+_UNCHECKED: dict[Callable, str] = {
+    _decode_only_entry: "outside SP it calls the installed function unchanged; under SP it raises instead of running",
+}
+
+
+def check_fused_fallback(fn: Callable) -> None:
+    """transformers' torch fallback of the fused whole-layer Mamba2 path (the hub wrapper's ``__wrapped__``) returns
+    ``None``, which the layer reads as 'no fused path': what the SP entry returns under SP."""
+    fallback = getattr(fn, "__wrapped__", fn)
+    required = [
+        p.name
+        for p in inspect.signature(fallback).parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    if fallback(**dict.fromkeys(required)) is not None:
+        raise ValueError(f"{fallback.__module__}.{fallback.__name__}'s torch fallback no longer returns None")
 
 
 def attach_mixers(model: torch.nn.Module, documents: DocumentHook, state_passing: str = "gather") -> list[str]:
@@ -196,22 +236,26 @@ def attach_mixers(model: torch.nn.Module, documents: DocumentHook, state_passing
         if module is None or not module_name.startswith("transformers.models."):
             continue
         for name, entry in {**ENTRIES, **dict.fromkeys(DECODE_ONLY_KERNELS, _decode_only_entry)}.items():
-            fn = getattr(module, name, None)
-            if fn is None:
+            if getattr(module, name, None) is None:
                 continue
-            if not hasattr(fn, "_hf_sp_original"):
-                check_kernel(module_name, name, fn, device)
-                wrapped = entry(fn)
-                wrapped._hf_sp_original = fn
-                setattr(module, name, wrapped)
+            if name in _CHECKS:
+                check, unchecked = functools.partial(_kernel_check, module_name, name, device), None
+            elif entry is _unfused_entry:
+                check, unchecked = check_fused_fallback, None
+            else:
+                check, unchecked = None, _UNCHECKED[entry]
+            patches.patch(module, name, wrap=entry, check=check, unchecked=unchecked, reason=_REASONS[entry], fix=_FIX)
             swapped.append(f"{module_name}.{name}")
     for cls in sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__):
         if cls.__name__ in MODULE_ENTRIES:
-            if not hasattr(cls.forward, "_hf_sp_original"):
-                check_module(cls, cls.forward)
-                wrapped = MODULE_ENTRIES[cls.__name__](cls.forward)
-                wrapped._hf_sp_original = cls.forward
-                cls.forward = wrapped
+            patches.patch(
+                cls,
+                "forward",
+                wrap=MODULE_ENTRIES[cls.__name__],
+                check=functools.partial(check_module, cls),
+                reason="the exact SP version of this mixer's forward (lightning attention, no kernel function to hook)",
+                fix=_FIX,
+            )
             swapped.append(f"{cls.__module__}.{cls.__name__}.forward")
     documents.context["mixers"] = MixerContext(documents.topology, documents.sharding, state_passing)
     return swapped
@@ -232,12 +276,11 @@ def check_mixer_kernels(model: torch.nn.Module) -> None:
         if module is None or not module_name.startswith("transformers.models."):
             continue
         for name in ENTRIES:
-            fn = getattr(module, name, None)
-            if fn is not None:
-                check_kernel(module_name, name, getattr(fn, "_hf_sp_original", fn), device)
+            if getattr(module, name, None) is not None:
+                check_kernel(module_name, name, patches.original(module, name), device)
     for cls in {type(m) for m in model.modules()}:
         if cls.__name__ in MODULE_ENTRIES:
-            check_module(cls, getattr(cls.forward, "_hf_sp_original", cls.forward))
+            check_module(cls, patches.original(cls, "forward"))
 
 
 def _parameter_device(model: torch.nn.Module) -> torch.device:

@@ -4,6 +4,15 @@ Sequence parallelism replaces only the registered attention function: every othe
 (a convolution over the sequence, an SSM / linear-attention / recurrent layer, an attention that builds its own mask
 or is not causal) would see only this rank's shard and be silently wrong. ``check_sequence_mixers`` refuses such a
 model, naming the layer; the detection reads the modules and the config's layer types, never family names.
+
+It reads modeling code (``inspect.getsource`` of a layer's ``forward``: which plain functions it calls, whether it
+passes ``**kwargs`` on, where the mask given to the attention comes from; a modeling module's mention of sliding
+windows). That stays a reading of the code, not a behaviour check: it classifies arbitrary layers of every family
+(about 200) before any weight is loaded or moved, and a behaviour check would have to build and run each layer type
+with inputs only its own family knows how to make. What keeps it honest is the family suite
+(``tests/test_model_families.py``): every causal-LM family of the installed transformers is exact under SP or refused,
+and a changed classification fails against ``docs/models.md``. The functions SP *swaps* are behaviour-checked when
+swapped (``mixers/swap.py``, through ``hf_sp_trainer.patches``).
 """
 
 from __future__ import annotations

@@ -215,7 +215,12 @@ def uses_image_blocks(model: torch.nn.Module) -> bool:
 
 
 def _bidirectional_media(base: torch.nn.Module) -> bool:
-    """The base model builds a mask in which media tokens see later tokens of the same item (Gemma3-style)."""
+    """The base model builds a mask in which media tokens see later tokens of the same item (Gemma3-style).
+
+    Read from the class's code (its forward builds the mask from ``token_type_ids``), not checked by behaviour: a
+    behaviour check would run the base model's forward with media inputs only its processor can make, at setup,
+    before the weights are placed (ZeRO-3 / FSDP2). It only decides to refuse an unverified VLM (the verified ones
+    are ``IMAGE_BLOCK_MODELS``, checked exact by tests/test_multimodal.py)."""
     try:
         source = inspect.getsource(type(base))
     except (OSError, TypeError):

@@ -20,6 +20,7 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
+from .. import patches
 from ..topology import release_groups
 
 EXIT_BARRIER_TIMEOUT_S = float(os.environ.get("HF_SP_EXIT_BARRIER_TIMEOUT_S", "600"))
@@ -47,14 +48,28 @@ def register_exit_hook() -> None:
     if _state["registered"] or os.environ.get("HF_SP_EXIT_HOOK", "1") == "0":  # 0: off (before/after comparisons)
         return
     _state["registered"] = True
-    previous = sys.excepthook
+    patches.patch(
+        sys,
+        "excepthook",
+        wrap=_noting_failures,
+        check=check_hook,
+        reason="note an uncaught exception: the exit teardown then skips its barrier (the failing rank exits at once)",
+    )
+    atexit.register(_at_exit)
 
+
+def check_hook(hook) -> None:
+    """The installed ``sys.excepthook`` is callable with the exception triple (ours calls it after noting)."""
+    if not callable(hook):
+        raise TypeError(f"sys.excepthook is {hook!r}, not a function")
+
+
+def _noting_failures(previous):
     def excepthook(*exc_info):
         _state["failed"] = True
         previous(*exc_info)
 
-    sys.excepthook = excepthook
-    atexit.register(_at_exit)
+    return excepthook
 
 
 def exit_finished_worker() -> NoReturn:

@@ -8,7 +8,7 @@ from functools import cached_property
 import transformers
 
 from ..integrations import cpu_backend
-from ..integrations.accelerate_sp import route_accelerate_sp
+from ..integrations.accelerate_sp import apply_to_args, route_accelerate_sp
 from ..memory import MemoryArguments
 from ..mixers.swap import STATE_PASSING, check_state_passing
 from ..topology import check_ring_size, check_world
@@ -74,7 +74,9 @@ class SequenceParallelArguments:
         return super()._setup_devices
 
     def _check_sequence_parallel(self) -> None:
-        route_accelerate_sp(self)  # ParallelismConfig(sp_size=...) / PARALLELISM_CONFIG_SP_SIZE
+        # ParallelismConfig(sp_size=...) / PARALLELISM_CONFIG_SP_SIZE: this config's fields only; the environment is
+        # rewritten when the trainer builds its Accelerator (SequenceParallelMixin.create_accelerator_and_postprocess)
+        apply_to_args(self, route_accelerate_sp(self))
         check_world(self.sp_size, self.world_size if self.sp_size > 1 else 1)
         check_ring_size(self.sp_size, self.sp_ring_size)
         check_state_passing(self.sp_state_passing)

@@ -21,10 +21,10 @@ from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
 from torch import nn
 
 from ..collators import SPDataCollator, SPMultimodalCollator
-from ..integrations import cpu_backend
+from ..integrations import accelerate_sp, cpu_backend
 from ..integrations.throughput import add_throughput_callback
 from ..losses.sequence import check_loss_options, micro_batch_loss, sp_eval_loss
-from ..memory import enable_memory_features, hidden_from_base_trainer, loss_only_inputs
+from ..memory import enable_memory_features, loss_only_inputs, resolve_deprecated_flags
 from ..mixers.documents import keep_documents_apart
 from ..model.decoder import unwrap_peft
 from ..model.vlm import is_multimodal
@@ -62,8 +62,9 @@ class SequenceParallelMixin:
                 if collator is not None and is_multimodal(unwrap_peft(model)):  # per-document positions, media
                     collator = SPMultimodalCollator(unwrap_peft(model))
                 bound.arguments["data_collator"] = collator
-        with hidden_from_base_trainer(training_args):  # memory-stack flags a TRL trainer would act on itself
-            super().__init__(*bound.args, **bound.kwargs)
+        if training_args is not None:  # TRL's activation_offloading means ours (checkpoint_offloading), as it did
+            resolve_deprecated_flags(training_args)
+        super().__init__(*bound.args, **bound.kwargs)
         teardown.register_exit_hook()  # a script that ends without trainer.end() still exits cleanly (sp_size 1 too)
         check_loss_options(self)  # sp_size > 1 and fused_loss compute the model's own loss exactly
         if sp_size > 1:
@@ -104,6 +105,9 @@ class SequenceParallelMixin:
         return bool(self.args.average_tokens_across_devices and accepts)
 
     def create_accelerator_and_postprocess(self):
+        # accelerate reads its PARALLELISM_CONFIG_* variables here: an SP request among them is ours (the configs
+        # routed it to sp_size without touching the environment)
+        accelerate_sp.apply_environ(self.args)
         with cpu_backend.accelerator_setup(self):  # FSDP2 / DeepSpeed over gloo on CPU-only machines
             super().create_accelerator_and_postprocess()
         if getattr(self.args, "sp_size", 1) > 1 and self.args.torch_compile:

@@ -4,12 +4,14 @@ Generation runs without SP (the model's own attention, full sequences; the SP gr
 completions so every rank of the group holds the same ones). Scoring prompt+completion (policy, old policy, reference)
 runs sequence-parallel through the preference hooks (exact per-token log-probs / entropies, and an MoE policy's router
 aux loss, on every SP rank). TRL's gathers, advantage slicing and normalisers see a data-parallel view of the
-accelerator (one copy per SP group).
+accelerator (one copy per SP group): the trainer's ``accelerator`` is a view during TRL's step code (the accelerator
+itself is not modified), and TRL's module-level ``gather`` / ``gather_object`` go through the patch registry.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from dataclasses import dataclass, field
 
@@ -18,6 +20,7 @@ import torch.distributed as dist
 import transformers
 import trl
 
+from .. import patches
 from ..memory import MemoryArguments
 from ..model.decoder import unwrap_peft
 from .arguments import SequenceParallelArguments
@@ -136,6 +139,8 @@ class OnlineRLSPMixin(PreferenceSPMixin):
             from accelerate.utils import set_seed
 
             set_seed(self.args.seed + self.sp.topology.dp_rank)
+            trl_module = sys.modules[next(c for c in type(self).__mro__ if c.__module__.startswith("trl.")).__module__]
+            patch_trl_gathers(trl_module)
 
     def sp_after_init(self) -> None:
         super().sp_after_init()
@@ -201,6 +206,9 @@ class OnlineRLSPMixin(PreferenceSPMixin):
     # -- a data-parallel view of the accelerator --------------------------------------------------------------------
     @contextlib.contextmanager
     def _sp_dp_view(self):
+        """Within: ``self.accelerator`` is a data-parallel view of the accelerator (``dp_accelerator_view``) and TRL's
+        module-level ``gather`` / ``gather_object`` keep one copy per SP group (``patch_trl_gathers``). The
+        accelerator itself is not modified: other holders of it see the real world."""
         if self.sp is None or self._sp_view_depth:
             self._sp_view_depth += 1
             try:
@@ -208,50 +216,16 @@ class OnlineRLSPMixin(PreferenceSPMixin):
             finally:
                 self._sp_view_depth -= 1
             return
-        acc, topo = self.accelerator, self.sp.topology
-        base = type(acc)
-        world, step = topo.dp_size * topo.sp_size, topo.sp_size
-
-        def dp_gather(tensor):
-            full = base.gather(acc, tensor)
-            if full.ndim == 0:
-                return full
-            return torch.cat(full.chunk(world)[0::step])
-
-        def dp_gather_object(obj):
-            from accelerate.utils import gather_object
-
-            full = gather_object(obj)
-            if len(full) % world:
-                raise RuntimeError(f"gather_object: {len(full)} items over {world} ranks are not equal per rank.")
-            n = len(full) // world
-            return [x for r in range(0, world, step) for x in full[r * n : (r + 1) * n]]
-
-        def dp_reduce(tensor, reduction="sum", scale=1.0):
-            out = base.reduce(acc, tensor, reduction=reduction, scale=scale)
-            return out / topo.sp_size if reduction == "sum" else out  # each SP group counted once (exact: sp = 2^k)
-
-        view = type(
-            f"DataParallelView{base.__name__}",
-            (base,),
-            {
-                "num_processes": property(lambda s: topo.dp_size),
-                "process_index": property(lambda s: topo.dp_rank),
-                "gather": lambda s, tensor: dp_gather(tensor),
-                "reduce": lambda s, tensor, reduction="sum", scale=1.0: dp_reduce(tensor, reduction, scale),
-            },
-        )
-        module = sys.modules[next(c for c in type(self).__mro__ if c.__module__.startswith("trl.")).__module__]
-        saved = {"gather": module.gather, "gather_object": module.gather_object}
-        acc.__class__ = view
-        module.gather, module.gather_object = dp_gather, dp_gather_object
+        accelerator, topo = self.accelerator, self.sp.topology
+        self.accelerator = dp_accelerator_view(accelerator, topo)
         self._sp_view_depth += 1
+        _DP_VIEWS.append(topo)
         try:
             yield
         finally:
+            _DP_VIEWS.pop()
             self._sp_view_depth -= 1
-            acc.__class__ = base
-            module.gather, module.gather_object = saved["gather"], saved["gather_object"]
+            self.accelerator = accelerator
 
     def training_step(self, *args, **kwargs):
         with self._sp_dp_view():
@@ -264,6 +238,114 @@ class OnlineRLSPMixin(PreferenceSPMixin):
     def compute_loss(self, *args, **kwargs):
         with self._sp_dp_view():
             return super().compute_loss(*args, **kwargs)
+
+
+# -- the data-parallel view TRL's online-RL code runs in --------------------------------------------------------------
+# TRL's gathers, advantage slicing and normalisers count processes; under SP a group's ranks hold one data-parallel
+# rank's batch, so they must see one copy per SP group: the trainer's ``accelerator`` is a view (a subclass instance
+# sharing the real accelerator's state, only while TRL's step code runs), and the two functions TRL's module imported
+# from accelerate (``gather`` for the rewards and RLOO's KL, ``gather_object`` for the logged completions; module
+# globals, with no trainer method to override around them) are swapped once through the patch registry for entries
+# that keep one copy per SP group while a view is active.
+_DP_VIEWS: list = []  # the topology of each active view (innermost last)
+_VIEW_CLASSES: dict[type, type] = {}
+
+
+def _dp_rows(full: torch.Tensor, topo) -> torch.Tensor:
+    """Rows of a whole-world gather (rank order) kept once per SP group: the first rank's of each."""
+    if full.ndim == 0:
+        return full
+    return torch.cat(full.chunk(topo.dp_size * topo.sp_size)[0 :: topo.sp_size])
+
+
+def _dp_items(full: list, topo) -> list:
+    world, step = topo.dp_size * topo.sp_size, topo.sp_size
+    if len(full) % world:
+        raise RuntimeError(f"gather_object: {len(full)} items over {world} ranks are not equal per rank.")
+    n = len(full) // world
+    return [x for r in range(0, world, step) for x in full[r * n : (r + 1) * n]]
+
+
+class DataParallelView:
+    """Mixed in front of the accelerator's class: one process per data-parallel rank (an SP group counted once)."""
+
+    __slots__ = ()  # the view's own topology is a slot of its class; everything else is the accelerator's state
+
+    @property
+    def num_processes(self) -> int:
+        return self._sp_topology.dp_size
+
+    @property
+    def process_index(self) -> int:
+        return self._sp_topology.dp_rank
+
+    def gather(self, tensor):
+        return _dp_rows(super().gather(tensor), self._sp_topology)
+
+    def reduce(self, tensor, reduction="sum", scale=1.0):
+        out = super().reduce(tensor, reduction=reduction, scale=scale)
+        return out / self._sp_topology.sp_size if reduction == "sum" else out  # each SP group once (sp = 2^k: exact)
+
+
+def dp_accelerator_view(accelerator, topo):
+    """A data-parallel view of ``accelerator``: an instance of a subclass of its class (``DataParallelView`` first)
+    sharing its state (``__dict__``), so every method and attribute is the accelerator's but the process counts,
+    ``gather`` and ``reduce``. ``accelerator`` itself is unchanged."""
+    base = type(accelerator)
+    if base not in _VIEW_CLASSES:
+        _VIEW_CLASSES[base] = type(
+            f"DataParallelView{base.__name__}", (DataParallelView, base), {"__slots__": ("_sp_topology",)}
+        )
+    view = object.__new__(_VIEW_CLASSES[base])
+    view.__dict__ = accelerator.__dict__
+    view._sp_topology = topo
+    return view
+
+
+def check_accelerate_gather(fn) -> None:
+    """TRL's module calls accelerate's own ``gather`` (the whole world's tensors, concatenated in rank order), which
+    the entry calls before keeping one copy per SP group."""
+    from accelerate.utils import gather
+
+    if fn is not gather:
+        raise ValueError(f"TRL's gather is {fn!r}, not accelerate.utils.gather")
+
+
+def check_accelerate_gather_object(fn) -> None:
+    """TRL's module calls accelerate's own ``gather_object`` (every rank's items, in rank order), which the entry calls
+    before keeping one copy per SP group."""
+    from accelerate.utils import gather_object
+
+    if fn is not gather_object:
+        raise ValueError(f"TRL's gather_object is {fn!r}, not accelerate.utils.gather_object")
+
+
+def _gather_entry(original):
+    @functools.wraps(original)
+    def gather(tensor):
+        full = original(tensor)
+        return _dp_rows(full, _DP_VIEWS[-1]) if _DP_VIEWS else full
+
+    return gather
+
+
+def _gather_object_entry(original):
+    @functools.wraps(original)
+    def gather_object(obj):
+        full = original(obj)
+        return _dp_items(full, _DP_VIEWS[-1]) if _DP_VIEWS else full
+
+    return gather_object
+
+
+def patch_trl_gathers(module) -> None:
+    """Swap ``gather`` / ``gather_object`` of TRL's trainer ``module`` (once) for the data-parallel view's entries."""
+    reason = "TRL's online-RL step code sees one copy per SP group while the trainer's data-parallel view is active"
+    for name, entry, check in (
+        ("gather", _gather_entry, check_accelerate_gather),
+        ("gather_object", _gather_object_entry, check_accelerate_gather_object),
+    ):
+        patches.patch(module, name, wrap=entry, check=check, reason=reason, fix="Use the tested TRL, or sp_size=1.")
 
 
 class SPGRPOTrainer(OnlineRLSPMixin, trl.GRPOTrainer):

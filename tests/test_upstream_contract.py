@@ -1,0 +1,335 @@
+"""The private upstream members hf_sp_trainer relies on, in one table, checked against the installed versions.
+
+Every private member (and every undocumented module-level function we patch or call) of transformers, TRL,
+accelerate, torch, DeepSpeed and the interpreter that the package uses is a row of ``CONTRACT``: where it is, what
+shape we rely on (leading parameters, the names its code refers to, or what it must be), and where we use it. A
+release that moves or changes one fails here, naming the member and the installed version, instead of as an obscure
+error inside a training run. ``test_every_private_override_is_named`` keeps the table complete for the methods our
+classes override; ``hf_sp_trainer.patches`` checks each swap's behaviour when it is applied.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import inspect
+import pathlib
+import re
+import types
+from dataclasses import dataclass
+
+import pytest
+
+from hf_sp_trainer import patches
+
+
+@dataclass(frozen=True)
+class Member:
+    """``path``: the member (dotted: its longest importable module, then attributes). ``params``: the leading
+    parameter names of its signature, in order. ``refers``: names (attributes, globals, string constants) its code
+    still uses. ``is_``: the path of the object it must be. ``kind``: ``property`` / ``cached_property`` /
+    ``staticmethod`` / ``classmethod`` as defined. ``imports``: modules to import first (op registration)."""
+
+    path: str
+    used_by: str
+    params: tuple[str, ...] | None = None
+    refers: tuple[str, ...] = ()
+    is_: str | None = None
+    kind: str | None = None
+    imports: tuple[str, ...] = ()
+
+
+QWEN35 = "transformers.models.qwen3_5.modeling_qwen3_5"
+KIMI = "transformers.models.kimi_linear.modeling_kimi_linear"
+BAMBA = "transformers.models.bamba.modeling_bamba"
+MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
+MINIMAX = "transformers.models.minimax.modeling_minimax"
+GRPO, RLOO = "trl.trainer.grpo_trainer.GRPOTrainer", "trl.trainer.rloo_trainer.RLOOTrainer"
+SFT, DPO, KTO, REWARD = (
+    "trl.trainer.sft_trainer.SFTTrainer",
+    "trl.trainer.dpo_trainer.DPOTrainer",
+    "trl.trainer.kto_trainer.KTOTrainer",
+    "trl.trainer.reward_trainer.RewardTrainer",
+)
+KERNEL = ("hidden_states", "dt", "A", "B", "C", "chunk_size", "D", "dt_bias")
+DELTA = ("query", "key", "value", "g", "beta", "chunk_size", "initial_state", "output_final_state")
+
+CONTRACT: list[Member] = [
+    # -- transformers: the checkpoint function, the trainer's private hooks, configs and models -------------------
+    Member("transformers.modeling_layers.GradientCheckpointingLayer.__init_subclass__",
+           "memory/checkpointing.py wraps the layer's checkpoint function",
+           refers=("_gradient_checkpointing_func", "gradient_checkpointing")),
+    Member("transformers.modeling_utils.PreTrainedModel._set_gradient_checkpointing",
+           "memory/checkpointing.py: transformers assigns the layer's checkpoint function here",
+           refers=("_gradient_checkpointing_func",)),
+    Member("transformers.training_args.TrainingArguments._setup_devices", "trainers/arguments.py brings up gloo first",
+           kind="cached_property"),
+    Member("transformers.trainer.Trainer._prepare_input", "trainers/base.py: no copy of CPU batches",
+           params=("self", "data")),
+    Member("transformers.trainer.Trainer._prepare_inputs", "trainers/base.py shards each batch",
+           params=("self", "inputs")),
+    Member("transformers.trainer.Trainer.get_batch_samples", "trainers/base.py: one token count per SP group",
+           params=("self", "epoch_iterator", "num_batches", "device")),
+    Member("transformers.trainer.Trainer.__init__", "trainers/base.py: get_total_train_batch_size",
+           refers=("_train_batch_size",)),
+    Member("transformers.trainer.Trainer.create_accelerator_and_postprocess",
+           "trainers/base.py and integrations/cpu_backend.py wrap the accelerator's creation",
+           params=("self",), refers=("accelerator",)),
+    Member("transformers.configuration_utils.PreTrainedConfig._attn_implementation",
+           "parallel.py, validate.py, attention/ulysses.py: the model's attention kernel", kind="property"),
+    Member("transformers.modeling_utils.PreTrainedModel._supports_attention_backend",
+           "model/mixers.py, validate.py: attention through the registry"),
+    Member("transformers.modeling_utils.PreTrainedModel.use_kernels", "mixers/swap.py reads _use_kernels",
+           kind="property", refers=("_use_kernels",)),
+    Member("transformers.modeling_utils.PreTrainedModel.loss_function", "losses/fused.py checks it is its loss",
+           kind="property"),
+    # -- transformers: the modeling-module functions the registry swaps (hybrid mixers, MoE router loss) -----------
+    Member(f"{MIXTRAL}.load_balancing_loss_func", "losses/router.py swaps it (behaviour-checked)",
+           params=("gate_logits", "num_experts", "top_k", "attention_mask")),
+    Member(f"{QWEN35}.causal_conv1d_fn", "mixers/swap.py swaps it (behaviour-checked)",
+           params=("hidden_states", "weight", "bias", "activation")),
+    Member(f"{QWEN35}.torch_chunk_gated_delta_rule", "mixers/swap.py swaps it (behaviour-checked)", params=DELTA),
+    Member(f"{QWEN35}.torch_chunk_gated_delta_rule.__wrapped__", "mixers/swap.py checks the hub wrapper's torch path"),
+    Member(f"{QWEN35}.causal_conv1d_update", "mixers/swap.py: refused under SP (cached decoding)"),
+    Member(f"{QWEN35}.torch_recurrent_gated_delta_rule", "mixers/swap.py: refused under SP (cached decoding)"),
+    Member(f"{KIMI}.chunk_kimi_delta_attention", "mixers/swap.py swaps it (behaviour-checked)", params=DELTA),
+    Member(f"{KIMI}.recurrent_kimi_delta_attention", "mixers/swap.py: refused under SP (cached decoding)"),
+    Member(f"{BAMBA}.mamba2_chunk_scan", "mixers/swap.py swaps it (behaviour-checked)", params=KERNEL),
+    Member(f"{BAMBA}.mamba2_split_conv1d_scan_combined", "mixers/swap.py switches the fused path off (checked)",
+           params=("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "chunk_size")),
+    Member(f"{BAMBA}.mamba2_selective_state_update", "mixers/swap.py: refused under SP (cached decoding)"),
+    Member(f"{MINIMAX}.MiniMaxLightningAttention.forward", "mixers/swap.py swaps it (behaviour-checked)",
+           params=("self", "hidden_states", "position_embeddings", "attention_mask", "cache")),
+    Member(f"{MINIMAX}.apply_mask_to_padding_states", "mixers/lightning.py",
+           params=("hidden_states", "attention_mask")),
+    # -- TRL ---------------------------------------------------------------------------------------------------------
+    Member("trl.trainer.utils.add_fused_lm_head", "losses/router.py also swaps Mixtral's function for it",
+           refers=(MIXTRAL, "load_balancing_loss_func")),
+    Member(f"{GRPO}._generate_single_turn", "trainers/grpo.py overrides it (generation without SP)",
+           params=("self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images")),
+    Member(f"{RLOO}._generate_single_turn", "trainers/grpo.py overrides it (generation without SP)",
+           params=("self", "prompt_ids", "images", "multimodal_fields")),
+    Member(f"{GRPO}._generate_and_score_completions", "trainers/grpo.py: the data-parallel view around it",
+           params=("self", "inputs"), refers=("gather_object", "process_index", "accelerator")),
+    Member(f"{RLOO}._generate_and_score_completions", "trainers/grpo.py: the data-parallel view around it",
+           params=("self", "inputs"), refers=("gather", "gather_object", "process_index", "accelerator")),
+    Member(f"{GRPO}._calculate_rewards", "trainers/grpo.py: TRL gathers the rewards with its module's gather",
+           refers=("gather",)),
+    Member(f"{GRPO}._prepare_inputs", "trainers/base.py overrides it", params=("self", "generation_batch")),
+    Member(f"{RLOO}._prepare_inputs", "trainers/base.py overrides it", params=("self", "generation_batch")),
+    Member(f"{GRPO}.__init__", "trainers/grpo.py refuses vision-language models under SP", refers=("_is_vlm",)),
+    Member("trl.trainer.grpo_trainer.gather", "trainers/grpo.py swaps it (checked)", is_="accelerate.utils.gather"),
+    Member("trl.trainer.grpo_trainer.gather_object", "trainers/grpo.py swaps it (checked)",
+           is_="accelerate.utils.gather_object"),
+    Member("trl.trainer.rloo_trainer.gather", "trainers/grpo.py swaps it (checked)", is_="accelerate.utils.gather"),
+    Member("trl.trainer.rloo_trainer.gather_object", "trainers/grpo.py swaps it (checked)",
+           is_="accelerate.utils.gather_object"),
+    *[
+        Member(f"{trainer}.__init__", "trainers/scoring/mixin.py: TRL's token count per SP group",
+               refers=("_tp_size", "_is_vision_dataset"))
+        for trainer in (SFT, DPO, KTO)
+    ],
+    Member(f"{REWARD}.__init__", "trainers/scoring/mixin.py: TRL's token count per SP group", refers=("_tp_size",)),
+    *[
+        Member(f"{trainer}.{method}", "trainers/scoring/mixin.py: TRL divides its token count by _tp_size",
+               refers=("_tp_size",))
+        for trainer, method in ((SFT, "compute_loss"), (DPO, "_compute_loss"), (KTO, "_compute_loss"),
+                                (REWARD, "compute_loss"))
+    ],
+    Member(f"{SFT}.compute_loss", "trainers/sft.py switches TRL's aux loss off around it and logs its own",
+           params=("self", "model", "inputs", "return_outputs", "num_items_in_batch"),
+           refers=("aux_loss_enabled", "router_aux_loss_coef", "_metrics")),
+    Member(f"{SFT}.__init__", "memory/arguments.py: TRL's own activation_offloading (ours is checkpoint_offloading)",
+           refers=("activation_offloading", "maybe_activation_offload_context", "aux_loss_enabled")),
+    Member("trl.trainer.sft_config.SFTConfig.__dataclass_fields__",
+           "memory/arguments.py: the flag our old name shadows", refers=("activation_offloading",)),
+    # -- accelerate --------------------------------------------------------------------------------------------------
+    Member("accelerate.state.AcceleratorState._reset_state", "integrations/cpu_backend.py: gloo state on CPU",
+           params=("reset_partial_state",), kind="staticmethod"),
+    Member("accelerate.accelerator.Accelerator.__init__",
+           "integrations/accelerate_sp.py: accelerate reads its parallelism variables when the Accelerator is built",
+           refers=("ACCELERATE_USE_PARALLELISM_CONFIG",)),
+    Member("accelerate.parallelism_config.ParallelismConfig.__post_init__",
+           "integrations/accelerate_sp.py rewrites these variables", refers=("PARALLELISM_CONFIG_SP_SIZE",
+                                                                            "PARALLELISM_CONFIG_DP_SHARD_SIZE")),
+    Member("accelerate.accelerator.Accelerator.gather", "trainers/grpo.py's data-parallel view",
+           params=("self", "tensor")),
+    Member("accelerate.accelerator.Accelerator.reduce", "trainers/grpo.py's data-parallel view",
+           params=("self", "tensor", "reduction", "scale")),
+    Member("accelerate.utils.gather", "trainers/grpo.py's gather entry calls it", params=("tensor",)),
+    Member("accelerate.utils.gather_object", "trainers/grpo.py's gather_object entry calls it", params=("object",)),
+    # -- torch -------------------------------------------------------------------------------------------------------
+    Member("torch._C._distributed_c10d._resolve_process_group", "comm/all_to_all.py, attention/ring.py"),
+    Member("torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward", "attention/block_attention.py"),
+    Member("torch.ops.torch_attn._varlen_attn_backward", "attention/block_attention.py (CUDA varlen path)",
+           imports=("torch.nn.attention.varlen",)),
+    Member("torch._library.custom_ops.CustomOpDef._define_dispatcher_op", "memory/checkpointing.py: saved ops",
+           refers=("_opoverload",)),
+    # -- DeepSpeed and the interpreter -------------------------------------------------------------------------------
+    Member("deepspeed.comm.init_distributed", "integrations/cpu_backend.py (by keyword)",
+           params=("dist_backend", "auto_mpi_discovery")),
+    Member("atexit._run_exitfuncs", "topology/teardown.py: a finished worker's exit"),
+]  # fmt: skip
+
+
+def _split(path: str) -> tuple[object, list[str], str]:
+    """The longest importable module of ``path``, the attribute names after it, and that module's name."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        name = ".".join(parts[:cut])
+        try:
+            return importlib.import_module(name), parts[cut:], name
+        except ImportError:
+            continue
+    raise ImportError(f"{parts[0]} does not import")
+
+
+def _installed(path: str) -> str:
+    top = path.split(".")[0]
+    module = importlib.import_module(top)
+    requirement = patches.tested_requirement(module)
+    return patches.installed_version(module) + (f", tested with {requirement}" if requirement else "")
+
+
+def resolve(member: Member):
+    """The member as the library defines it (the original where the patch registry swapped it; a class attribute
+    as defined: a property, not its value)."""
+    for module in member.imports:
+        importlib.import_module(module)
+    obj, rest, _ = _split(member.path)
+    for i, name in enumerate(rest):
+        if isinstance(obj, type) and i == len(rest) - 1:
+            for klass in obj.__mro__:
+                if name in vars(klass):
+                    found = vars(klass)[name]
+                    record = patches.find(klass, name)
+                    return found if record is None else record.original
+            raise AttributeError(f"{obj.__qualname__} has no {name!r}")
+        if isinstance(obj, types.ModuleType) and patches.find(obj, name) is not None:
+            obj = patches.original(obj, name)
+        else:
+            obj = getattr(obj, name)
+    return obj
+
+
+def _code(obj) -> types.CodeType | None:
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    if isinstance(obj, property):
+        obj = obj.fget
+    if isinstance(obj, functools.cached_property):
+        obj = obj.func
+    obj = inspect.unwrap(obj) if callable(obj) else obj
+    return getattr(obj, "__code__", None)
+
+
+def names_in(code: types.CodeType) -> set[str]:
+    """Attribute / global names and string constants of ``code`` and the functions nested in it (the compiled code:
+    what runs, not the source text)."""
+    found = set(code.co_names) | set(code.co_varnames)
+    for const in code.co_consts:
+        if isinstance(const, str):
+            found.add(const)
+        elif isinstance(const, types.CodeType):
+            found |= names_in(const)
+    return found
+
+
+def problems(member: Member) -> list[str]:
+    try:
+        obj = resolve(member)
+    except (ImportError, AttributeError) as error:
+        return [f"missing ({error})"]
+    found = []
+    if member.kind is not None and type(obj).__name__ != member.kind:
+        found.append(f"is a {type(obj).__name__}, expected a {member.kind}")
+    if member.params is not None:
+        target = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
+        if isinstance(obj, classmethod):
+            target = obj.__get__(None, object)
+        try:
+            names = tuple(inspect.signature(target).parameters)
+        except (TypeError, ValueError) as error:
+            names = (f"<no signature: {error}>",)
+        if names[: len(member.params)] != member.params:
+            found.append(f"parameters {names}, expected to start with {member.params}")
+    if member.refers:
+        code = _code(obj)
+        if isinstance(obj, dict):  # a dataclass' fields
+            missing = [n for n in member.refers if n not in obj]
+        else:
+            available = names_in(code) if code is not None else set()
+            missing = [n for n in member.refers if n not in available]
+        if missing:
+            found.append(f"no longer refers to {missing}")
+    if member.is_ is not None and obj is not resolve(Member(member.is_, "")):
+        found.append(f"is {obj!r}, not {member.is_}")
+    return found
+
+
+@pytest.mark.parametrize("member", CONTRACT, ids=lambda m: m.path)
+def test_upstream_member(member: Member) -> None:
+    found = problems(member)
+    assert not found, f"{member.path} ({_installed(member.path)}): {'; '.join(found)}. Used by {member.used_by}."
+
+
+def test_the_table_names_the_failing_member_and_version() -> None:
+    """The check itself: a member that moved fails with its path, the installed version and what uses it."""
+    gone = Member("transformers.trainer.Trainer._no_such_hook", "a test", params=("self",))
+    assert problems(gone) and "missing" in problems(gone)[0]
+    renamed = Member("accelerate.accelerator.Accelerator.reduce", "a test", params=("self", "tensors"))
+    assert problems(renamed) == [
+        "parameters ('self', 'tensor', 'reduction', 'scale'), expected to start with ('self', 'tensors')"
+    ]
+    assert "transformers " + importlib.metadata.version("transformers") in _installed("transformers.trainer")
+
+
+def test_installed_versions_are_the_tested_ones() -> None:
+    """The contract above is checked against the versions setup.py caps: the installed ones are inside the caps."""
+    from packaging.requirements import Requirement
+
+    setup = (pathlib.Path(__file__).resolve().parent.parent / "setup.py").read_text()
+    block = setup[setup.index("install_requires=[") : setup.index("]", setup.index("install_requires=["))]
+    for spec in re.findall(r'"([^"]+)"', block):
+        requirement = Requirement(spec)
+        installed = importlib.metadata.version(requirement.name).split("+")[0]
+        assert requirement.specifier.contains(installed, prereleases=True), (
+            f"{requirement.name} {installed} is installed; setup.py tests {requirement}"
+        )
+        if requirement.name in ("transformers", "trl", "accelerate"):  # the libraries whose internals we use
+            assert any(s.operator == "<" for s in requirement.specifier), f"{requirement} has no upper cap"
+
+
+def _our_classes() -> list[type]:
+    import pkgutil
+
+    import hf_sp_trainer
+
+    classes = []
+    for info in pkgutil.walk_packages(hf_sp_trainer.__path__, "hf_sp_trainer."):
+        if info.name.startswith("hf_sp_trainer.cli"):
+            continue
+        module = importlib.import_module(info.name)
+        classes += [c for c in vars(module).values() if isinstance(c, type) and c.__module__ == info.name]
+    return classes
+
+
+def test_every_private_override_is_named() -> None:
+    """A private method of an upstream class that one of our classes overrides is a member of ``CONTRACT``."""
+    named = {m.path for m in CONTRACT}
+    missing = set()
+    for cls in _our_classes():
+        ours = [c for c in cls.__mro__ if c.__module__.startswith("hf_sp_trainer")]
+        upstream = [c for c in cls.__mro__ if not c.__module__.startswith("hf_sp_trainer") and c is not object]
+        for klass in ours:
+            for name in vars(klass):
+                if not name.startswith("_") or name.startswith("__") or name == "_backward_cls":
+                    continue
+                for base in upstream:
+                    if name in vars(base):
+                        path = f"{base.__module__}.{base.__qualname__}.{name}"
+                        if path not in named:
+                            missing.add(f"{path} (overridden by {klass.__module__}.{klass.__qualname__})")
+                        break
+    assert not missing, "name these in CONTRACT:\n" + "\n".join(sorted(missing))
