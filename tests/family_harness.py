@@ -3,7 +3,7 @@ model run document by document in one process: the family-coverage check behind 
 
 The families come from ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; each is classified (out of scope or not), shrunk to a
 tiny random-init fp32 config by attribute names, and checked in ONE spawned gloo group for all families. A family's
-outcome: ``exact`` (loss and every gradient within ``TOL``), ``refused`` (a ``ValueError`` on every rank),
+outcome: ``exact`` (loss and every gradient within ``EXACT``), ``refused`` (a ``ValueError`` on every rank),
 ``wrong`` (a silent difference), ``crash`` (another exception, or a hang turned into an error by the gloo timeout),
 ``can't build`` (the shrink failed) or ``out of scope``.
 """
@@ -18,10 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tests.harness import weak_decay
+from tests.harness import EXACT, weak_decay, worst_error
 from tests.length_crossing import cross_config, rope_dims
 
-TOL = 1e-5
 VOCAB = 128
 DOCS = (13, 9, 18)  # 40 tokens: the second document straddles the sp-2 boundary, every one straddles a ring chunk
 LONG = 40
@@ -402,18 +401,7 @@ def _sp_run(model, sp, docs: list[torch.Tensor]) -> tuple[float, dict[str, torch
     return total.item(), out
 
 
-def compare(ref: tuple[float, dict], got: tuple[float, dict]) -> tuple[float, str]:
-    """The worst relative error and where: the loss, or a parameter's gradient as ``||d|| / max(||g||, floor)`` with
-    ``floor`` 1e-3 of the typical tensor's norm (gradients near zero are compared against the model's scale)."""
-    loss_err = abs(got[0] - ref[0]) / max(abs(ref[0]), 1e-12)
-    norms = {n: g.norm().item() for n, g in ref[1].items()}
-    floor = 1e-3 * (sum(v * v for v in norms.values()) / max(len(norms), 1)) ** 0.5
-    worst, where = loss_err, "loss"
-    for name, g in ref[1].items():
-        err = (got[1][name] - g).norm().item() / max(norms[name], floor, 1e-30)
-        if err > worst:
-            worst, where = err, name
-    return worst, where
+compare = worst_error  # the name tests/interpreter/workers.py imports
 
 
 def check_family(
@@ -462,7 +450,7 @@ def check_family(
         return {"status": "refused", "detail": _first_line(exc), **extra}
     except Exception as exc:  # noqa: BLE001 - a crash, or a hang the gloo timeout turned into an error
         return {"status": "crash", "detail": f"{type(exc).__name__}: {_first_line(exc)}", **extra}
-    if worst[0] <= TOL:
+    if worst[0] <= EXACT:
         return {"status": "exact", "detail": f"max rel err {worst[0]:.1e}", **extra}
     wrong = {"status": "wrong", "detail": f"max rel err {worst[0]:.1e} at {worst[1]}", **extra}
     if router_logits and getattr(model.config, "output_router_logits", False):  # is it the router aux loss only?

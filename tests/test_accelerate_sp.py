@@ -10,6 +10,8 @@ from accelerate import ParallelismConfig
 from hf_sp_trainer import TrainingArguments
 from hf_sp_trainer.distributed.accelerate_sp import route_accelerate_sp
 
+pytestmark = pytest.mark.unit  # in-process
+
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):

@@ -11,6 +11,8 @@ from hf_sp_trainer.mixers import check_sequence_mixers, sequence_mixers
 from hf_sp_trainer.mixers.detect import covered_mixers
 from tests.family_harness import build_model
 
+pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
+
 REFUSED = {  # model type, class: what the error must name
     "zaya": ("ZayaForCausalLM", ["Conv1d", "a convolution over the sequence"]),
     "jamba": ("JambaForCausalLM", ["JambaMambaMixer", "mamba_selective_scan", "no exact version"]),  # Mamba1
@@ -125,7 +127,7 @@ def test_pure_mamba2_refused_clearly() -> None:
         validate_model_for_sp(model, 2)
 
 
-@pytest.mark.slow  # a fresh interpreter
+@pytest.mark.e2e
 def test_modules_import_on_their_own() -> None:
     """The attention imports ``mixers.detect`` and the mixers import the attention: no import cycle, whichever
     module a script imports first."""

@@ -12,6 +12,8 @@ from hf_sp_trainer.preference.layout import (
 )
 from hf_sp_trainer.sharding import SequenceSharding
 
+pytestmark = pytest.mark.unit  # in-process
+
 
 def padded_batch():
     lengths, seq = [9, 4, 7, 3], 9
