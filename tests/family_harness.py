@@ -412,13 +412,13 @@ def check_family(
     seed: int = 0,
     router_logits: bool = True,
     crossed: bool = False,
+    prepared: dict | None = None,
 ) -> dict:
     """One family on every rank of the default group: the outcome as a dict (``status``, ``detail``); ``crossed``:
     with its length-dependent settings under the rows (``crossed``: what, ``acts``: how much they change the
-    reference, relative), or ``status`` "nothing to cross"."""
+    reference, relative), or ``status`` "nothing to cross". ``prepared``: its ``references``, computed by another
+    rank (``prepare_references``); else computed here."""
     from hf_sp_trainer import apply_sequence_parallel
-    from hf_sp_trainer.attention import validate_model_for_sp
-    from hf_sp_trainer.parallel import default_kernel
 
     try:
         model = build_model(model_type, class_name, seed, router_logits, crossed)
@@ -428,21 +428,17 @@ def check_family(
     if crossed and not model.crossed_settings:
         return {"status": "nothing to cross", "detail": ""}
     try:  # no collective: a model SP refuses needs no reference run
-        validate_model_for_sp(model, sp_size, ring_size, default_kernel(model))
+        _validate(model, sp_size, ring_size)
     except ValueError as exc:
         return {"status": "refused", "detail": _first_line(exc), **extra}
-    g = torch.Generator().manual_seed(seed + 1)
-    rows = [[_tokens(n, g) for n in DOCS], [_tokens(LONG, g)]]
-    try:
-        reference = copy.deepcopy(model)
-        refs = [_reference(reference, docs) for docs in rows]
-        if crossed:  # the default model's own reference: does crossing change anything at all?
-            default = build_model(model_type, class_name, seed, router_logits)
-            extra["acts"] = max(
-                compare(ref, _reference(default, docs))[0] for ref, docs in zip(refs, rows, strict=True)
-            )
-    except Exception as exc:  # noqa: BLE001 - the family doesn't run even without SP
-        return {"status": "can't build", "detail": f"reference run: {_first_line(exc)}", **extra}
+    rows = _rows(seed)
+    if prepared is None or "refs" not in prepared and "error" not in prepared:
+        prepared = references(model, model_type, class_name, rows, seed, router_logits, crossed)
+    if "error" in prepared:  # the family doesn't run even without SP
+        return {"status": "can't build", "detail": prepared["error"], **extra}
+    refs = prepared["refs"]
+    if crossed:
+        extra["acts"] = prepared["acts"]
     try:
         sp = apply_sequence_parallel(model, sp_size, ring_size=ring_size)
         worst = max(compare(ref, _sp_run(model, sp, docs)) for ref, docs in zip(refs, rows, strict=True))
@@ -457,6 +453,55 @@ def check_family(
         alone = check_family(model_type, class_name, sp_size, ring_size, seed, router_logits=False, crossed=crossed)
         wrong["aux_loss_only"] = alone["status"] == "exact"
     return wrong
+
+
+def _validate(model, sp_size: int, ring_size: int | None) -> None:
+    from hf_sp_trainer.attention import validate_model_for_sp
+    from hf_sp_trainer.parallel import default_kernel
+
+    validate_model_for_sp(model, sp_size, ring_size, default_kernel(model))
+
+
+def _rows(seed: int) -> list[list[torch.Tensor]]:
+    """The two packed rows every family runs: documents ``DOCS``, and one of ``LONG`` tokens."""
+    g = torch.Generator().manual_seed(seed + 1)
+    return [[_tokens(n, g) for n in DOCS], [_tokens(LONG, g)]]
+
+
+def references(model, model_type: str, class_name: str, rows, seed: int, router_logits: bool, crossed: bool) -> dict:
+    """What ``check_family`` compares the SP runs with: ``refs``, each row's documents alone through a copy of
+    ``model`` in this process; ``acts`` (crossed): how far crossing moved them from the default model's; or
+    ``error``, the reference run's failure."""
+    try:
+        reference = copy.deepcopy(model)
+        out = {"refs": [_reference(reference, docs) for docs in rows]}
+        if crossed:  # the default model's own reference: does crossing change anything at all?
+            default = build_model(model_type, class_name, seed, router_logits)
+            out["acts"] = max(
+                compare(ref, _reference(default, docs))[0] for ref, docs in zip(out["refs"], rows, strict=True)
+            )
+    except Exception as exc:  # noqa: BLE001 - the family doesn't run even without SP
+        return {"error": f"reference run: {_first_line(exc)}"}
+    return out
+
+
+def prepare_references(
+    model_type: str, class_name: str, sp_size: int, ring_size: int | None, seed: int = 0, crossed: bool = False
+) -> dict | None:
+    """``check_family``'s ``references`` for one family, computed by one rank for all (the same model, the same
+    rows, the same single-process run: the ranks only share out the work); None where ``check_family`` ends before
+    it needs them (can't build, nothing to cross, refused)."""
+    try:
+        model = build_model(model_type, class_name, seed, True, crossed)
+    except Exception:  # noqa: BLE001 - every rank's check_family records it
+        return None
+    if crossed and not model.crossed_settings:
+        return None
+    try:
+        _validate(model, sp_size, ring_size)
+    except ValueError:
+        return None
+    return references(model, model_type, class_name, _rows(seed), seed, True, crossed)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -474,19 +519,33 @@ def run_families(names: list[tuple[str, str]], sp_size: int, ring_size: int | No
     logging.set_verbosity_error()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     results: dict[str, dict] = {"default": {}, "crossed": {}}
+    world, rank = dist.get_world_size(), dist.get_rank()
     for variant in ("default", "crossed") if crossed else ("default",):
-        for model_type, class_name in names:
-            start = time.perf_counter()
-            mine = check_family(model_type, class_name, sp_size, ring_size, crossed=variant == "crossed")
-            mine["seconds"] = round(time.perf_counter() - start, 2)
-            everyone: list = [None] * dist.get_world_size()
+        for chunk in (names[i : i + world] for i in range(0, len(names), world)):
+            # the single-process references of the next `world` families, one family per rank, shared with all
+            mine = None
+            if rank < len(chunk):
+                mine = prepare_references(*chunk[rank], sp_size, ring_size, crossed=variant == "crossed")
+            prepared: list = [None] * world
             try:
-                dist.all_gather_object(everyone, mine)
+                dist.all_gather_object(prepared, mine)
             except Exception as exc:  # noqa: BLE001 - the group is gone: stop here
-                results[variant][model_type] = {"status": "crash", "detail": f"group lost: {_first_line(exc)}"}
+                results[variant][chunk[0][0]] = {"status": "crash", "detail": f"group lost: {_first_line(exc)}"}
                 return results
-            statuses = {r["status"] for r in everyone}
-            if len(statuses) > 1:
-                mine = {"status": "crash", "detail": "ranks disagree: " + "; ".join(f"{r['status']}" for r in everyone)}
-            results[variant][model_type] = mine
+            for (model_type, class_name), ready in zip(chunk, prepared, strict=False):
+                start = time.perf_counter()
+                mine = check_family(model_type, class_name, sp_size, ring_size, crossed=variant == "crossed",
+                                    prepared=ready)  # fmt: skip
+                mine["seconds"] = round(time.perf_counter() - start, 2)
+                everyone: list = [None] * world
+                try:
+                    dist.all_gather_object(everyone, mine)
+                except Exception as exc:  # noqa: BLE001 - the group is gone: stop here
+                    results[variant][model_type] = {"status": "crash", "detail": f"group lost: {_first_line(exc)}"}
+                    return results
+                statuses = {r["status"] for r in everyone}
+                if len(statuses) > 1:
+                    disagree = "ranks disagree: " + "; ".join(f"{r['status']}" for r in everyone)
+                    mine = {"status": "crash", "detail": disagree}
+                results[variant][model_type] = mine
     return results
