@@ -50,6 +50,7 @@ from typing import Any
 STOP = b"stop"
 ERROR_GRACE_S = 120  # after one rank failed, how long its peers get to fail or finish before the world is killed
 TEARDOWN_BARRIER_S = 300
+PORT_TAKEN = ("eaddrinuse", "address already in use")  # the free port went to another process before rank 0 took it
 TORCH_DEFAULT_SEED = 67280421310721  # torch's CPU generator seed in a new process (c10's default_rng_seed_val)
 spawned: list[int] = []  # world sizes spawned this session, in order (one entry per spawn, respawns included)
 guard: Callable[[str], None] | None = None  # the conftest's check that no `unit` test uses the pool
@@ -181,10 +182,15 @@ def run(
     if world is None:
         world = _WORLDS[world_size] = World(world_size)
     calls = [(fn, per_rank[r] if per_rank is not None else args) for r in range(world_size)]
-    results, healthy = world.run(calls, timeout, local)
-    if not healthy:  # a failed or hung case: nothing of it may reach the next case
-        del _WORLDS[world_size]
-        world.kill()
+    for attempt in range(2):
+        results, healthy = world.run(calls, timeout, local)
+        if not healthy:  # a failed or hung case: nothing of it may reach the next case
+            del _WORLDS[world_size]
+            world.kill()
+        errors = " ".join(str(v).lower() for status, v in results if status == "error")
+        if healthy or attempt or not any(text in errors for text in PORT_TAKEN):
+            return results
+        world = _WORLDS[world_size] = World(world_size)  # another process took the free port first: once more
     return results
 
 
@@ -319,7 +325,7 @@ class Baseline:
         torch.set_grad_enabled(True)
         torch.autograd.set_detect_anomaly(False)
         warnings.filters[:] = self.warning_filters
-        warnings._filters_mutated()  # type: ignore[attr-defined]
+        getattr(warnings, "_filters_mutated", lambda: None)()  # forget what "once" filters have shown
         self._reset_libraries()
         for cache in _package_caches():
             cache.cache_clear()
