@@ -10,7 +10,7 @@ tears down and resets (``_end_case``) before it answers, so a world that answere
   ``destroy_process_group`` -- one process group per case, on a fresh port, as before;
 - accelerate's ``AcceleratorState`` / ``PartialState`` / ``GradientState`` singletons;
 - DeepSpeed: transformers' HF-DeepSpeed config, ``deepspeed.comm``'s backend object, ``deepspeed.utils.groups``'
-  cached groups;
+  cached groups (its ``_release_process_group_references``);
 - torch: ``DeviceMesh``'s mesh stack, dynamo's caches and counters, default dtype, threads (1), deterministic
   algorithms, fp32 matmul precision, grad mode, anomaly detection;
 - transformers' attention / mask-attention registries (entries the case added or replaced), its log verbosity and
@@ -346,13 +346,20 @@ class Baseline:
             sys.modules["deepspeed.comm.comm"].cdb = None  # its backend object wraps the destroyed group
         if "deepspeed.utils.groups" in sys.modules:
             groups = sys.modules["deepspeed.utils.groups"]
-            for name, value in vars(groups).items():
-                if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")) and name.isupper():
-                    setattr(groups, name, {} if isinstance(value, dict) else None)
-                elif name.startswith("_MPU_") and name.isupper():
-                    setattr(groups, name, None)
-            groups.mpu = None
-            groups.expert_tensor_parallel_world_size = 1
+            release = getattr(groups, "_release_process_group_references", None)
+            if release is not None:  # DeepSpeed's own reset of its group caches after the world's teardown
+                release(None)
+            else:
+                for name, value in vars(groups).items():
+                    if name.isupper() and name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")):
+                        if isinstance(value, dict):
+                            value.clear()
+                        else:
+                            setattr(groups, name, None)
+                    elif name.startswith("_MPU_"):
+                        setattr(groups, name, None)
+                groups.mpu = groups.mesh_device = None
+                groups.expert_tensor_parallel_world_size = 1
         if "torch.distributed.device_mesh" in sys.modules:
             resources = getattr(sys.modules["torch.distributed.device_mesh"], "_mesh_resources", None)
             if resources is not None and hasattr(resources, "mesh_stack"):
