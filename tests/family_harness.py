@@ -3,7 +3,7 @@ model run document by document in one process: the family-coverage check behind 
 
 The families come from ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; each is classified (out of scope or not), shrunk to a
 tiny random-init fp32 config by attribute names, and checked in ONE spawned gloo group for all families. A family's
-outcome: ``exact`` (loss and every gradient within ``TOL``), ``refused`` (a ``ValueError`` on every rank),
+outcome: ``exact`` (loss and every gradient within ``EXACT``), ``refused`` (a ``ValueError`` on every rank),
 ``wrong`` (a silent difference), ``crash`` (another exception, or a hang turned into an error by the gloo timeout),
 ``can't build`` (the shrink failed) or ``out of scope``.
 """
@@ -18,10 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tests.harness import weak_decay
+from tests.harness import EXACT, weak_decay, worst_error
 from tests.length_crossing import cross_config, rope_dims
 
-TOL = 1e-5
 VOCAB = 128
 DOCS = (13, 9, 18)  # 40 tokens: the second document straddles the sp-2 boundary, every one straddles a ring chunk
 LONG = 40
@@ -402,18 +401,7 @@ def _sp_run(model, sp, docs: list[torch.Tensor]) -> tuple[float, dict[str, torch
     return total.item(), out
 
 
-def compare(ref: tuple[float, dict], got: tuple[float, dict]) -> tuple[float, str]:
-    """The worst relative error and where: the loss, or a parameter's gradient as ``||d|| / max(||g||, floor)`` with
-    ``floor`` 1e-3 of the typical tensor's norm (gradients near zero are compared against the model's scale)."""
-    loss_err = abs(got[0] - ref[0]) / max(abs(ref[0]), 1e-12)
-    norms = {n: g.norm().item() for n, g in ref[1].items()}
-    floor = 1e-3 * (sum(v * v for v in norms.values()) / max(len(norms), 1)) ** 0.5
-    worst, where = loss_err, "loss"
-    for name, g in ref[1].items():
-        err = (got[1][name] - g).norm().item() / max(norms[name], floor, 1e-30)
-        if err > worst:
-            worst, where = err, name
-    return worst, where
+compare = worst_error  # the name tests/interpreter/workers.py imports
 
 
 def check_family(
@@ -424,13 +412,13 @@ def check_family(
     seed: int = 0,
     router_logits: bool = True,
     crossed: bool = False,
+    prepared: dict | None = None,
 ) -> dict:
     """One family on every rank of the default group: the outcome as a dict (``status``, ``detail``); ``crossed``:
     with its length-dependent settings under the rows (``crossed``: what, ``acts``: how much they change the
-    reference, relative), or ``status`` "nothing to cross"."""
+    reference, relative), or ``status`` "nothing to cross". ``prepared``: its ``references``, computed by another
+    rank (``prepare_references``); else computed here."""
     from hf_sp_trainer import apply_sequence_parallel
-    from hf_sp_trainer.parallel import default_kernel
-    from hf_sp_trainer.validate import validate_model_for_sp
 
     try:
         model = build_model(model_type, class_name, seed, router_logits, crossed)
@@ -440,21 +428,17 @@ def check_family(
     if crossed and not model.crossed_settings:
         return {"status": "nothing to cross", "detail": ""}
     try:  # no collective: a model SP refuses needs no reference run
-        validate_model_for_sp(model, sp_size, ring_size, default_kernel(model))
+        _validate(model, sp_size, ring_size)
     except ValueError as exc:
         return {"status": "refused", "detail": _first_line(exc), **extra}
-    g = torch.Generator().manual_seed(seed + 1)
-    rows = [[_tokens(n, g) for n in DOCS], [_tokens(LONG, g)]]
-    try:
-        reference = copy.deepcopy(model)
-        refs = [_reference(reference, docs) for docs in rows]
-        if crossed:  # the default model's own reference: does crossing change anything at all?
-            default = build_model(model_type, class_name, seed, router_logits)
-            extra["acts"] = max(
-                compare(ref, _reference(default, docs))[0] for ref, docs in zip(refs, rows, strict=True)
-            )
-    except Exception as exc:  # noqa: BLE001 - the family doesn't run even without SP
-        return {"status": "can't build", "detail": f"reference run: {_first_line(exc)}", **extra}
+    rows = _rows(seed)
+    if prepared is None or "refs" not in prepared and "error" not in prepared:
+        prepared = references(model, model_type, class_name, rows, seed, router_logits, crossed)
+    if "error" in prepared:  # the family doesn't run even without SP
+        return {"status": "can't build", "detail": prepared["error"], **extra}
+    refs = prepared["refs"]
+    if crossed:
+        extra["acts"] = prepared["acts"]
     try:
         sp = apply_sequence_parallel(model, sp_size, ring_size=ring_size)
         worst = max(compare(ref, _sp_run(model, sp, docs)) for ref, docs in zip(refs, rows, strict=True))
@@ -462,13 +446,62 @@ def check_family(
         return {"status": "refused", "detail": _first_line(exc), **extra}
     except Exception as exc:  # noqa: BLE001 - a crash, or a hang the gloo timeout turned into an error
         return {"status": "crash", "detail": f"{type(exc).__name__}: {_first_line(exc)}", **extra}
-    if worst[0] <= TOL:
+    if worst[0] <= EXACT:
         return {"status": "exact", "detail": f"max rel err {worst[0]:.1e}", **extra}
     wrong = {"status": "wrong", "detail": f"max rel err {worst[0]:.1e} at {worst[1]}", **extra}
     if router_logits and getattr(model.config, "output_router_logits", False):  # is it the router aux loss only?
         alone = check_family(model_type, class_name, sp_size, ring_size, seed, router_logits=False, crossed=crossed)
         wrong["aux_loss_only"] = alone["status"] == "exact"
     return wrong
+
+
+def _validate(model, sp_size: int, ring_size: int | None) -> None:
+    from hf_sp_trainer.parallel import default_kernel
+    from hf_sp_trainer.validate import validate_model_for_sp
+
+    validate_model_for_sp(model, sp_size, ring_size, default_kernel(model))
+
+
+def _rows(seed: int) -> list[list[torch.Tensor]]:
+    """The two packed rows every family runs: documents ``DOCS``, and one of ``LONG`` tokens."""
+    g = torch.Generator().manual_seed(seed + 1)
+    return [[_tokens(n, g) for n in DOCS], [_tokens(LONG, g)]]
+
+
+def references(model, model_type: str, class_name: str, rows, seed: int, router_logits: bool, crossed: bool) -> dict:
+    """What ``check_family`` compares the SP runs with: ``refs``, each row's documents alone through a copy of
+    ``model`` in this process; ``acts`` (crossed): how far crossing moved them from the default model's; or
+    ``error``, the reference run's failure."""
+    try:
+        reference = copy.deepcopy(model)
+        out = {"refs": [_reference(reference, docs) for docs in rows]}
+        if crossed:  # the default model's own reference: does crossing change anything at all?
+            default = build_model(model_type, class_name, seed, router_logits)
+            out["acts"] = max(
+                compare(ref, _reference(default, docs))[0] for ref, docs in zip(out["refs"], rows, strict=True)
+            )
+    except Exception as exc:  # noqa: BLE001 - the family doesn't run even without SP
+        return {"error": f"reference run: {_first_line(exc)}"}
+    return out
+
+
+def prepare_references(
+    model_type: str, class_name: str, sp_size: int, ring_size: int | None, seed: int = 0, crossed: bool = False
+) -> dict | None:
+    """``check_family``'s ``references`` for one family, computed by one rank for all (the same model, the same
+    rows, the same single-process run: the ranks only share out the work); None where ``check_family`` ends before
+    it needs them (can't build, nothing to cross, refused)."""
+    try:
+        model = build_model(model_type, class_name, seed, True, crossed)
+    except Exception:  # noqa: BLE001 - every rank's check_family records it
+        return None
+    if crossed and not model.crossed_settings:
+        return None
+    try:
+        _validate(model, sp_size, ring_size)
+    except ValueError:
+        return None
+    return references(model, model_type, class_name, _rows(seed), seed, True, crossed)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -486,19 +519,33 @@ def run_families(names: list[tuple[str, str]], sp_size: int, ring_size: int | No
     logging.set_verbosity_error()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     results: dict[str, dict] = {"default": {}, "crossed": {}}
+    world, rank = dist.get_world_size(), dist.get_rank()
     for variant in ("default", "crossed") if crossed else ("default",):
-        for model_type, class_name in names:
-            start = time.perf_counter()
-            mine = check_family(model_type, class_name, sp_size, ring_size, crossed=variant == "crossed")
-            mine["seconds"] = round(time.perf_counter() - start, 2)
-            everyone: list = [None] * dist.get_world_size()
+        for chunk in (names[i : i + world] for i in range(0, len(names), world)):
+            # the single-process references of the next `world` families, one family per rank, shared with all
+            mine = None
+            if rank < len(chunk):
+                mine = prepare_references(*chunk[rank], sp_size, ring_size, crossed=variant == "crossed")
+            prepared: list = [None] * world
             try:
-                dist.all_gather_object(everyone, mine)
+                dist.all_gather_object(prepared, mine)
             except Exception as exc:  # noqa: BLE001 - the group is gone: stop here
-                results[variant][model_type] = {"status": "crash", "detail": f"group lost: {_first_line(exc)}"}
+                results[variant][chunk[0][0]] = {"status": "crash", "detail": f"group lost: {_first_line(exc)}"}
                 return results
-            statuses = {r["status"] for r in everyone}
-            if len(statuses) > 1:
-                mine = {"status": "crash", "detail": "ranks disagree: " + "; ".join(f"{r['status']}" for r in everyone)}
-            results[variant][model_type] = mine
+            for (model_type, class_name), ready in zip(chunk, prepared, strict=False):
+                start = time.perf_counter()
+                mine = check_family(model_type, class_name, sp_size, ring_size, crossed=variant == "crossed",
+                                    prepared=ready)  # fmt: skip
+                mine["seconds"] = round(time.perf_counter() - start, 2)
+                everyone: list = [None] * world
+                try:
+                    dist.all_gather_object(everyone, mine)
+                except Exception as exc:  # noqa: BLE001 - the group is gone: stop here
+                    results[variant][model_type] = {"status": "crash", "detail": f"group lost: {_first_line(exc)}"}
+                    return results
+                statuses = {r["status"] for r in everyone}
+                if len(statuses) > 1:
+                    disagree = "ranks disagree: " + "; ".join(f"{r['status']}" for r in everyone)
+                    mine = {"status": "crash", "detail": disagree}
+                results[variant][model_type] = mine
     return results

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import (
+    BF16_TOL,
+    EXACT,
     backend_args,
     full_parameters,
     logged_throughput_tokens,
@@ -45,7 +47,7 @@ class RLCase:
     evaluate: bool = False
     backend: str = "ddp"  # the SP run's: ddp | fsdp2 | zero1-3 (the reference runs plain TRL)
     sp_config: dict = field(default_factory=dict)  # extra config fields for the SP run only
-    tol: float = 1e-5
+    tol: float = EXACT
     no_op: bool = False  # greedy: every advantage is 0
     compare: bool = True  # False: no TRL run gives the same samples (split generation, sampled)
 
@@ -217,7 +219,7 @@ WORLD2 = [
     RLCase("grpo_sp2_ring", config={"loss_type": "grpo"}, sp_config={"sp_ring_size": 2}),
     RLCase("grpo_sp2_zero3_ref", backend="zero3", ref=True, config={"loss_type": "grpo"}),
     RLCase("grpo_sp2_fsdp2", backend="fsdp2"),
-    RLCase("grpo_sp2_bf16", config={"bf16": True}, tol=3e-2),  # bf16 autocast on both sides: bf16 round-off
+    RLCase("grpo_sp2_bf16", config={"bf16": True}, tol=BF16_TOL),  # bf16 autocast on both sides: bf16 round-off
     # split generation, greedy: each rank generates half of the rows; the same completions as TRL (steps are no-ops:
     # greedy completions of one prompt are identical), gathered in order, with TRL's shuffles (grad accum 2)
     RLCase("grpo_sp2_split_greedy", config=GREEDY, sp_config={"sp_generation": "split"}, no_op=True),
@@ -243,7 +245,7 @@ WORLD2 = [
     RLCase(
         "grpo_sp2_fsdp2_split_greedy", backend="fsdp2", config=GREEDY, sp_config={"sp_generation": "split"}, no_op=True
     ),
-    RLCase("rloo_sp2_ring_bf16", trainer="rloo", config={"bf16": True}, sp_config={"sp_ring_size": 2}, tol=3e-2),
+    RLCase("rloo_sp2_ring_bf16", trainer="rloo", config={"bf16": True}, sp_config={"sp_ring_size": 2}, tol=BF16_TOL),
     RLCase("grpo_sp2_zero1", backend="zero1"),
     # the MoE router aux loss (tiny Mixtral, coefficient 0.5) with SGD, whose step is the gradient as it is
     RLCase(

@@ -7,10 +7,8 @@ import contextlib
 import os
 import pickle
 import random
-import socket
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -145,27 +143,26 @@ def init_large_sinks(model, seed: int = 0) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # process groups
 # ----------------------------------------------------------------------------------------------------------------
+EXACT = 1e-5  # the tolerance of every exact-equivalence comparison (relative; fp32 round-off of a reordered sum)
+FP64_EXACT = 1e-12  # the same in float64 (kernel-level checks run in fp64 where they can)
+BF16_TOL = 3e-2  # bf16 on both sides: 8 mantissa bits, ~4e-3 per rounding, a few steps of drift
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from tests.pool import free_port
+
+    return free_port()
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        OMP_NUM_THREADS="1",
-    )
+    from tests.pool import dist_env, error_result
+
+    os.environ.update(dist_env(rank, world_size, port))
     torch.set_num_threads(1)
     try:
         result = ("ok", fn(*args))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent with its traceback
-        result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        result = error_result(exc)
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
     if dist.is_initialized():
@@ -174,11 +171,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
         dist.destroy_process_group()
 
 
-def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 1200) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` spawned CPU processes (gloo); return each rank's result.
-
-    If any rank raised, returns the per-rank ``("error", message)`` tuples in place of results.
-    """
+def _run_fresh(world_size: int, fn: Callable, args: tuple, timeout: float) -> list[tuple[str, Any]]:
+    """``fn(*args)`` on ``world_size`` newly spawned processes, which exit afterwards; each rank's (status, value)."""
     ctx = mp.get_context("spawn")
     port = _free_port()
     with tempfile.TemporaryDirectory() as out_dir:
@@ -198,9 +192,72 @@ def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 
                 continue
             with open(path, "rb") as f:
                 results.append(pickle.load(f))
+    return results
+
+
+def pooled() -> bool:
+    """Whether ``run_distributed`` serves cases from the session's persistent worlds (``tests/pool.py``). Not in the
+    Triton-interpreter tier (its ranks must import the shims before anything else: it spawns each of its two worlds
+    once anyway), nor with ``HF_SP_TEST_FRESH=1`` (every call spawns, as before the pool)."""
+    return os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("HF_SP_TEST_FRESH") != "1"
+
+
+def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 1200, fresh: bool = False) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` CPU processes (gloo); return each rank's result.
+
+    The processes are the session's persistent ``world_size`` world (``tests/pool.py``: spawned once, reset after
+    every case, respawned after a failure or a timeout); ``fresh=True``: processes spawned for this call alone.
+    Either way each rank starts with the distributed environment set and no process group. If any rank raised,
+    died or hung, returns the per-rank ``(status, value)`` tuples (``("error", message)``) in place of results.
+    """
+    if fresh or not pooled():
+        results = _run_fresh(world_size, fn, args, timeout)
+    else:
+        from tests import pool
+
+        results = pool.run(world_size, fn, args, timeout)
     if any(status == "error" for status, _ in results):
         return results
     return [value for _, value in results]
+
+
+def _local_share(fn: Callable, items: list) -> list[tuple[str, Any]]:
+    """``fn(item)`` for each of ``items`` in turn, each ``("ok", value)`` or ``("error", traceback)``."""
+    from tests.pool import error_result
+
+    out = []
+    for item in items:
+        try:
+            out.append(("ok", fn(item)))
+        except Exception as exc:  # noqa: BLE001 - reported to the test that needs this item
+            out.append(error_result(exc))
+    return out
+
+
+def run_parallel(fn: Callable, items: list, world_size: int = 2, timeout: float = 1200) -> list[Callable[[], Any]]:
+    """``fn(item)`` for every item, side by side on the ranks of the session's ``world_size`` world as independent
+    single processes (no distributed environment, no process group: what this process is), rank ``r`` taking items
+    ``r, r + world_size, ...``; without the pool, serially here. Returns one getter per item, in order: its value, or
+    an ``AssertionError`` with the item's traceback (an item that failed fails only the test that asks for it)."""
+    if not pooled():
+        outcomes = _local_share(fn, items)
+    else:
+        from tests import pool
+
+        shares = [(fn, items[r::world_size]) for r in range(world_size)]
+        results = unwrap_results(pool.run(world_size, _local_share, (), timeout, per_rank=shares, local=True))
+        per_rank = [value for _, value in results]
+        outcomes = [per_rank[i % world_size][i // world_size] for i in range(len(items))]
+
+    def getter(status: str, value: Any) -> Callable[[], Any]:
+        def get() -> Any:
+            if status != "ok":
+                raise AssertionError(f"the run in a pool rank failed:\n{value}")
+            return value
+
+        return get
+
+    return [getter(*o) for o in outcomes]
 
 
 def unwrap_results(results: list[Any]) -> list[Any]:
@@ -294,7 +351,7 @@ class Case:
     backend: str = "ddp"  # ddp | fsdp2 | zero1 | zero2 | zero3, "+offload" for ZeRO CPU offload (SP run only)
     sp_overrides: dict = field(default_factory=dict)  # extra TrainingArguments for the SP run only (e.g. bf16)
     env: dict = field(default_factory=dict)  # environment variables for the SP run (e.g. PARALLELISM_CONFIG_*)
-    tol: float = 1e-5
+    tol: float = EXACT
 
     @property
     def dp_size(self) -> int:
@@ -549,6 +606,27 @@ def assert_throughput_counts(counted: float, trained: int, name: str) -> None:
 
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
+
+
+def worst_error(ref: tuple[float, dict], got: tuple[float, dict]) -> tuple[float, str]:
+    """One forward + backward against its reference, ``(loss, {name: gradient})`` each: the worst relative error and
+    where, the loss or a parameter's gradient as ``||d|| / max(||g||, floor)`` with ``floor`` 1e-3 of the typical
+    gradient's norm (gradients near zero are compared against the model's scale)."""
+    loss_err = abs(got[0] - ref[0]) / max(abs(ref[0]), 1e-12)
+    norms = {n: g.norm().item() for n, g in ref[1].items()}
+    floor = 1e-3 * (sum(v * v for v in norms.values()) / max(len(norms), 1)) ** 0.5
+    worst, where = loss_err, "loss"
+    for name, g in ref[1].items():
+        err = (got[1][name] - g).norm().item() / max(norms[name], floor, 1e-30)
+        if err > worst:
+            worst, where = err, name
+    return worst, where
+
+
+def params_rel(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
+    """``||got - ref|| / ||ref||`` over every parameter of ``ref`` as one vector."""
+    diff = sum(float((got[n].detach() - ref[n]).pow(2).sum()) for n in ref) ** 0.5
+    return diff / sum(float(ref[n].pow(2).sum()) for n in ref) ** 0.5
 
 
 def compare(ref: dict, got: dict) -> dict[str, float]:

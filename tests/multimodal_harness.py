@@ -18,13 +18,13 @@ import torch.nn.functional as F
 from hf_sp_trainer.data import tiny_vlm
 from hf_sp_trainer.data.tiny_vlm import tiny_llava_config, tiny_llava_processor, vision_conversations
 from hf_sp_trainer.model.vlm import vlm_base
+from tests.harness import worst_error
 from tests.multimodal_llama4 import forward_logits, llama4_config, llama4_image, with_return_dict
 
 VOCAB = tiny_vlm.VOCAB
 IMG, VID, VSTART, VEND, VSTART2, VEND2 = tiny_vlm.IMAGE_TOKEN_ID, 121, 122, 123, 124, 125
 PATCH, TEMPORAL, MERGE = 2, 2, 2
 PATCH_DIM = 3 * TEMPORAL * PATCH * PATCH
-TOL = 1e-5
 
 
 @dataclass
@@ -628,18 +628,6 @@ def sp_run(model, sp, batch: dict) -> tuple[float, dict[str, torch.Tensor]]:
     return total.item(), out_grads
 
 
-def worst_error(ref: tuple[float, dict], got: tuple[float, dict]) -> tuple[float, str]:
-    """Loss relative error, and each gradient's ``||d|| / max(||g||, 1e-3 x typical norm)``: the worst and where."""
-    worst, where = abs(got[0] - ref[0]) / abs(ref[0]), "loss"
-    norms = {n: g.norm().item() for n, g in ref[1].items()}
-    floor = 1e-3 * (sum(v * v for v in norms.values()) / len(norms)) ** 0.5
-    for name, g in ref[1].items():
-        err = (got[1][name] - g).norm().item() / max(norms[name], floor)
-        if err > worst:
-            worst, where = err, name
-    return worst, where
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # the kernel-level matrix: one spawned group runs every case
 # ----------------------------------------------------------------------------------------------------------------
@@ -867,6 +855,7 @@ def train_vlm(
 # ----------------------------------------------------------------------------------------------------------------
 # the VLM table of docs/models.md
 # ----------------------------------------------------------------------------------------------------------------
+@functools.cache  # test_multimodal's check and test_model_families' docs/models.md: built once a session
 def classify_vlms(sp_size: int = 2) -> list[tuple[str, str, str, str]]:
     """``(model type, class, status, reason)`` for every image-text-to-text model type of the installed transformers:
     its default config built on the meta device and put through ``validate_model_for_sp`` (no collective, no

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import (
+    EXACT,
     backend_args,
     full_parameters,
     logged_throughput_tokens,
@@ -272,7 +273,6 @@ WORLD4 = [
     PrefCase("kto_dp2sp2_ddp_reference", trainer="kto", world_size=4, batch_size=3),
 ]
 DDP_REFERENCE = ("kto",)  # trainers whose dp > 1 reference is TRL on dp processes, not one process
-TOL = 1e-5
 
 
 @functools.cache
@@ -302,7 +302,7 @@ def ddp_references(dp_size: int) -> dict[str, dict]:
 
 def check_case(case: PrefCase, out_dir: str) -> dict[str, float]:
     """Train ``case`` with TRL (one process, or dp processes for ``DDP_REFERENCE`` trainers), compare with its SP
-    run, assert every figure within ``TOL``."""
+    run, assert every figure within ``EXACT``."""
     from tests.harness import assert_throughput_counts, compare
 
     got = sp_results(case.world_size)[case.name]
@@ -318,5 +318,5 @@ def check_case(case: PrefCase, out_dir: str) -> dict[str, float]:
     assert_throughput_counts(got["throughput_tokens"], got["shard_tokens"], case.name)
     for key, value in diffs.items():
         if key not in ("params_tensor", "update"):  # informational (see harness.compare)
-            assert value <= TOL, f"{case.name}: {key} differs by {value:.3e} (relative)"
+            assert value <= EXACT, f"{case.name}: {key} differs by {value:.3e} (relative)"
     return got

@@ -11,6 +11,8 @@ from accelerate import ParallelismConfig
 from hf_sp_trainer import TrainingArguments
 from hf_sp_trainer.integrations.accelerate_sp import apply_environ, apply_to_args, route_accelerate_sp
 
+pytestmark = pytest.mark.unit  # in-process
+
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):

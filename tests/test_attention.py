@@ -6,9 +6,10 @@ import torch
 from hf_sp_trainer.attention.kernels import _document_mask
 from hf_sp_trainer.attention.ulysses import kv_replication
 from hf_sp_trainer.documents import DocumentLayout
-from tests.harness import run_distributed, synthetic_dataset, tiny_model, unwrap_results
+from tests.harness import EXACT, run_distributed, synthetic_dataset, tiny_model, unwrap_results
 
-TOL = 1e-5
+pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
+
 RINGS = {2: (1, 2), 4: (1, 2, 4)}  # ring sizes checked at each sp: Ulysses only, hybrid, ring only
 FORWARD_CASES = [
     "llama_sdpa_packed",
@@ -113,7 +114,7 @@ def checks():
     return {sp: unwrap_results(run_distributed(sp, forward_checks, sp, timeout=300)) for sp in (2, 4)}
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("sp", [2, 4])
 def test_all_to_all(sp, checks):
     for rank_result in checks[sp]:
@@ -122,7 +123,7 @@ def test_all_to_all(sp, checks):
         assert rank_result["a2a_grad"] == 0.0
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("sp", [2, 4])
 @pytest.mark.parametrize("case", FORWARD_CASES)
 def test_sp_forward_matches_single_process(sp, case, checks):
@@ -131,7 +132,7 @@ def test_sp_forward_matches_single_process(sp, case, checks):
         measured = {k: v for k, v in rank_result.items() if k.startswith(case + "_ring")}
         assert measured, f"no split of sp={sp} ran for {case}"
         for name, diff in measured.items():
-            assert diff <= TOL, f"sp={sp} {name}: relative difference {diff:.2e}"
+            assert diff <= EXACT, f"sp={sp} {name}: relative difference {diff:.2e}"
 
 
 # -- flex_attention: forward and evaluation only (no flex backward on CPU in torch 2.13) ------------------------------
@@ -153,7 +154,7 @@ def flex_eval(tmp):
     return trainer.evaluate()["eval_loss"]
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 def test_flex_attention_eval_matches_single_process(tmp_path):
     import transformers
     from transformers import DataCollatorWithFlattening
@@ -173,4 +174,4 @@ def test_flex_attention_eval_matches_single_process(tmp_path):
         data_collator=DataCollatorWithFlattening(return_position_ids=True),
     ).evaluate()["eval_loss"]
     for loss in got:
-        assert abs(loss - reference) / reference <= TOL
+        assert abs(loss - reference) / reference <= EXACT

@@ -5,6 +5,8 @@ import torch
 
 from tests.harness import run_distributed, synthetic_dataset, tiny_model, unwrap_results
 
+pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
+
 
 def _args(tmp, sp_size=2, **kw):
     from hf_sp_trainer import TrainingArguments
@@ -173,7 +175,7 @@ def bad_input_errors(tmp_path_factory):
     return unwrap_results(run_distributed(2, run_bad_inputs, str(tmp_path_factory.mktemp("bad")), timeout=300))
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("case", list(EXPECTED))
 def test_every_rank_raises_a_clear_error(case, bad_input_errors):
     for rank, errors in enumerate(bad_input_errors):

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from hf_sp_trainer.memory.checkpointing import MemoryCheckpoint, checkpointed_modules, wrap_checkpointed_layers
 from hf_sp_trainer.memory.offload import HostOffload
 from tests.harness import (
+    EXACT,
     Case,
     assert_within,
     compare,
@@ -36,7 +37,8 @@ from tests.harness import (
 )
 from tests.sft_harness import SFTCase, reference_run
 
-TOL = 1e-5
+pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
+
 GC = {"gradient_checkpointing": True}
 SAC = {"checkpoint_policy": "sequence_aware"}
 OFFLOAD = {"checkpoint_offloading": True}
@@ -260,7 +262,7 @@ def sp_results():
     return unwrap_results(run_distributed(2, _run_all, CASES + SFT_CASES))
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 def test_sequence_aware_recomputes_no_attention_and_no_all_to_all_sp2(sp_results):
     for rank in sp_results:
         print({p: {k: v for k, v in c.items() if k != "grads"} for p, c in rank["counts"].items()})
@@ -274,11 +276,11 @@ def test_sequence_aware_recomputes_no_attention_and_no_all_to_all_sp2(sp_results
         assert _max_rel(selective["grads"], full["grads"]) == 0.0
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("case", CASES + SFT_CASES, ids=lambda c: c.name)
 def test_checkpoint_features_train_like_plain_single_process(case, sp_results, tmp_path):
     got = sp_results[0]["runs"][case.name]
     diffs = compare(reference_run(case, str(tmp_path)), got)
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
     assert got["global_step"] == case.steps
-    assert_within(case.name, diffs, TOL)
+    assert_within(case.name, diffs, EXACT)

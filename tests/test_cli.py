@@ -9,8 +9,10 @@ import sys
 
 import pytest
 
-from tests.harness import tiny_model
+from tests.harness import EXACT, tiny_model
 from tests.sft_harness import sft_dataset
+
+pytestmark = pytest.mark.e2e  # launched jobs; the tests marked otherwise below are not
 
 BIN = os.path.dirname(sys.executable)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -20,6 +22,7 @@ def _options(help_text: str) -> set[str]:
     return set(re.findall(r"(?<![\w-])--[a-z][\w-]*", help_text))
 
 
+@pytest.mark.unit
 def test_help_accepts_every_trl_sft_option():
     """Every option of `trl sft --help` is in `hf-sp-sft --help`, with the SP flags and the launcher flags."""
     from trl.scripts.sft import make_parser as trl_parser
@@ -33,6 +36,7 @@ def test_help_accepts_every_trl_sft_option():
         assert flag in our_options
 
 
+@pytest.mark.unit
 def test_one_parser_for_launcher_and_workers():
     """The launcher splits the command line without building dataclasses (no world-size check in the launcher); the
     workers build them with the same parser: SP and memory-stack flags, launcher flags left over."""
@@ -97,8 +101,8 @@ def reference(tiny_run):
 def assert_same_steps(got, reference):
     assert len(reference) == 3
     for (loss, norm), (ref_loss, ref_norm) in zip(got, reference, strict=True):
-        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (got, reference)
-        assert abs(norm - ref_norm) <= 1e-5 * abs(ref_norm), (got, reference)
+        assert abs(loss - ref_loss) <= EXACT * abs(ref_loss), (got, reference)
+        assert abs(norm - ref_norm) <= EXACT * abs(ref_norm), (got, reference)
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +123,6 @@ def main_job(tmp_path_factory):
     return runs
 
 
-@pytest.mark.slow
 def test_main_job_runs_end_to_end(main_job):
     """Trains under sp_size 2, evaluates retrieval through SP and with attention restricted to each shard, and
     reports where the model is."""
@@ -133,16 +136,14 @@ def test_main_job_runs_end_to_end(main_job):
     assert out.count("Main job done") == 1  # one console: rank 0 reports
 
 
-@pytest.mark.slow
 def test_main_job_same_flags_same_training_at_sp1_and_sp2(main_job):
     """The main job's defaults give the same per-step losses on one process and on 2 processes with sp 2."""
     (_, ref, _), (_, got, _) = main_job[1], main_job[2]
     assert len(ref) == 3
     for loss, ref_loss in zip(got, ref, strict=True):
-        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (got, ref)
+        assert abs(loss - ref_loss) <= EXACT * abs(ref_loss), (got, ref)
 
 
-@pytest.mark.slow
 def test_cli_lora_sp2_matches_one_process(tiny_run, reference):
     launched = tiny_run("sp2", [f"{BIN}/hf-sp-sft", "--num_processes", "2", "--sp_size", "2"])
     torchrun = tiny_run("torchrun", [f"{BIN}/torchrun", "--nproc_per_node", "2", f"{BIN}/hf-sp-sft", "--sp_size", "2",
@@ -151,7 +152,6 @@ def test_cli_lora_sp2_matches_one_process(tiny_run, reference):
         assert_same_steps(got, reference)
 
 
-@pytest.mark.slow
 def test_cli_accelerate_routes(tiny_run, reference):
     """accelerate's own flags: FSDP2 with `--parallelism_config_sp_size 2`, and DeepSpeed ZeRO-3 with --sp_size 2."""
     fsdp = tiny_run("fsdp_pc", [f"{BIN}/hf-sp-sft", "--num_processes", "2", "--use_fsdp", "--fsdp_version", "2",
@@ -166,7 +166,6 @@ def _nodes(port: int, launcher) -> list[list[str]]:
     return [launcher(rank, str(port)) for rank in (0, 1)]
 
 
-@pytest.mark.slow
 def test_multinode_launchers_on_loopback(tiny_run, reference, tmp_path):
     """Two emulated nodes (one process each, rendezvous on 127.0.0.1) under torchrun, accelerate and the deepspeed
     launcher: sp_size 2 spans the nodes and reproduces the one-process run."""

@@ -6,6 +6,8 @@ from transformers import DataCollatorWithFlattening
 
 from hf_sp_trainer import SPDataCollator
 
+pytestmark = pytest.mark.unit  # in-process
+
 FEATURES = [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}, {"input_ids": [10, 11, 12, 13]}]
 
 

@@ -10,9 +10,9 @@ import contextlib
 
 import pytest
 
-from tests.harness import Case, assert_within, compare, run_cases, run_distributed, train_case, unwrap_results
+from tests.harness import EXACT, Case, assert_within, compare, run_cases, run_distributed, train_case, unwrap_results
 
-pytestmark = pytest.mark.slow  # spawned process groups
+pytestmark = pytest.mark.dist  # spawned gloo worlds (tests/pool.py)
 COMPILE = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
 KV1 = {"num_key_value_heads": 1}
 CASES = [
@@ -61,4 +61,4 @@ def test_compiled_layers_train_like_single_process(case, compiled, tmp_path):
     assert got["unique_graphs"] == GRAPHS.get(case.name, 2), got["unique_graphs"]
     diffs = compare(train_case(case, sp=False, out_dir=str(tmp_path)), got)
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
-    assert_within(case.name, diffs, 1e-5)
+    assert_within(case.name, diffs, EXACT)

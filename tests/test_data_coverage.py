@@ -5,7 +5,7 @@ import pytest
 
 from tests.harness import backend_args, record_inputs, reset_backend_state, run_distributed, tiny_model, unwrap_results
 
-pytestmark = pytest.mark.slow  # spawned process groups / launched jobs
+pytestmark = pytest.mark.dist  # spawned gloo worlds (tests/pool.py)
 
 N_SAMPLES, BATCH, GRAD_ACCUM = 24, 3, 2
 

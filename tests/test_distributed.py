@@ -10,20 +10,21 @@ from accelerate import ParallelismConfig
 from transformers import TrainerCallback
 
 from tests.harness import (
+    BF16_TOL,
+    EXACT,
     Case,
     assert_within,
     build_trainer,
     compare,
     logged_steps,
-    run_cases,
     run_distributed,
+    sp_runs_by_world,
     train_case,
     unwrap_results,
 )
 
-pytestmark = pytest.mark.slow  # spawned process groups / launched jobs
+pytestmark = pytest.mark.dist  # spawned gloo worlds (tests/pool.py); the tests marked otherwise below are not
 
-BF16_TOL = 3e-2  # bf16 has 8 mantissa bits: ~4e-3 per rounding, a few steps of drift
 WORLD2 = [
     Case("fsdp2_sp2", backend="fsdp2"),
     Case("zero1_sp2", backend="zero1"),
@@ -87,7 +88,7 @@ def resume_runs(cases: list[Case], tmp: str) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def sp_results():
-    return {2: run_distributed(2, run_cases, WORLD2), 4: run_distributed(4, run_cases, WORLD4)}
+    return sp_runs_by_world(WORLD2, WORLD4)
 
 
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)
@@ -102,7 +103,7 @@ def test_backend_matches_single_process(case, sp_results, tmp_path):
             f.write(json.dumps({**row, "seconds": got["seconds"], **diffs}) + "\n")
     assert got["global_step"] == ref["global_step"] == case.steps
     if case.sp_overrides.get("bf16"):
-        assert diffs["params"] > 1e-5, f"{case.name}: bf16 was not applied (fp32-exact results)"
+        assert diffs["params"] > EXACT, f"{case.name}: bf16 was not applied (fp32-exact results)"
     assert_within(case.name, diffs, case.tol)
 
 
@@ -122,6 +123,7 @@ def test_resume_reproduces_uninterrupted_run(case, resumed):
         assert abs(norm - ref_norm) <= tol * abs(ref_norm), (case.name, run)
 
 
+@pytest.mark.unit
 def test_cpu_fsdp_hybrid_sharding_is_refused_clearly():
     from types import SimpleNamespace
 

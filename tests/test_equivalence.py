@@ -6,18 +6,17 @@ import os
 import pytest
 
 from tests.harness import (
+    EXACT,
     Case,
     assert_within,
     compare,
-    run_cases,
-    run_distributed,
+    sp_runs_by_world,
     train_case,
     unwrap_results,
 )
 
-pytestmark = pytest.mark.slow  # spawned process groups / launched jobs
+pytestmark = pytest.mark.dist  # spawned gloo worlds (tests/pool.py)
 
-TOL = 1e-5
 RING2 = {"sp_ring_size": 2}
 THREE_HEADS = {"hidden_size": 48, "num_attention_heads": 3, "num_key_value_heads": 1}
 SIX_HEADS = {"hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 2}
@@ -61,10 +60,7 @@ REPORT = os.environ.get("HF_SP_EQUIVALENCE_REPORT")  # optional JSON file collec
 
 @pytest.fixture(scope="module")
 def sp_results():
-    results = {}
-    for world, cases in ((2, WORLD2), (4, WORLD4)):
-        results[world] = run_distributed(world, run_cases, cases)
-    return results
+    return sp_runs_by_world(WORLD2, WORLD4)
 
 
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)
@@ -77,6 +73,6 @@ def test_sp_matches_single_process(case, sp_results, tmp_path):
         with open(REPORT, "a") as f:
             f.write(json.dumps({"case": case.name, "sp": case.sp_size, "world": case.world_size, **diffs}) + "\n")
     assert got["global_step"] == ref["global_step"] == case.steps
-    assert_within(case.name, diffs, TOL)
+    assert_within(case.name, diffs, EXACT)
     if case.masked_prompt:
         assert got["empty_shards"] > 0, "the case was meant to contain shards whose labels are all -100"

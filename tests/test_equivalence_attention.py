@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from hf_sp_trainer.validate import validate_model_for_sp
-from tests.harness import Case, check_sp_case, run_distributed, sp_runs_by_world, tiny_model, unwrap_results
+from tests.harness import EXACT, Case, check_sp_case, run_distributed, sp_runs_by_world, tiny_model, unwrap_results
 
-TOL = 1e-5
+pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
+
 RING2 = {"sp_ring_size": 2}
 # gpt-oss builds its masks without position_ids, so the single-process reference attends across packed documents:
 # one sequence per batch there (packed documents with sinks: tests/test_ring_attention.py).
@@ -48,7 +49,7 @@ def test_tiny_models_have_the_features_under_test():
         return loss.item(), torch.cat([p.grad.flatten() for n, p in model.named_parameters() if "sinks" not in n])
 
     (loss, grads), (loss0, grads0) = loss_and_grads(True), loss_and_grads(False)
-    assert abs(loss0 / loss - 1) > 10 * TOL and abs(float(grads0.norm() / grads.norm()) - 1) > 100 * TOL
+    assert abs(loss0 / loss - 1) > 10 * EXACT and abs(float(grads0.norm() / grads.norm()) - 1) > 100 * EXACT
     assert float((grads0 - grads).norm() / grads.norm()) > 0.1
     model = tiny_model("gpt_oss", attn="eager")
     assert model.config.layer_types == ["sliding_attention", "full_attention"]
@@ -136,12 +137,12 @@ def _sink_family_forwards() -> dict[str, float]:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 def test_other_sink_families_forward_match_single_process():
     for result in unwrap_results(run_distributed(2, _sink_family_forwards, timeout=600)):
         for name in SINK_FAMILIES:
             assert result[f"{name}_control"] > 1e-2, result  # the sinks matter
-            assert max(result[f"{name}_ring1"], result[f"{name}_ring2"]) <= TOL, result
+            assert max(result[f"{name}_ring1"], result[f"{name}_ring2"]) <= EXACT, result
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +150,7 @@ def sp_results():
     return sp_runs_by_world(WORLD2, WORLD4)
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)
 def test_sp_matches_single_process(case, sp_results, tmp_path):
-    check_sp_case(case, sp_results, str(tmp_path), TOL)
+    check_sp_case(case, sp_results, str(tmp_path), EXACT)

@@ -6,10 +6,11 @@ document apart, at every sp_size)."""
 import pytest
 import torch
 
-from tests.harness import Case, check_sp_case, sp_runs_by_world, tiny_model
+from tests.harness import EXACT, Case, check_sp_case, sp_runs_by_world, tiny_model
 from tests.sft_harness import SFTCase, train_sft_case
 
-TOL = 1e-5
+pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
+
 RING2 = {"sp_ring_size": 2}
 RELAY = {"sp_state_passing": "relay"}  # the state handed rank to rank (a debugging aid), not gathered
 SGD = dict(optim="sgd", steps=4)
@@ -59,7 +60,7 @@ def test_reference_keeps_documents_apart_and_packing_would_not():
             attention_mask=torch.tensor([[1] * 13, [1] * 9 + [0] * 4]),
         ).logits
         rows = torch.cat([padded[0], padded[1, :9]])
-        assert float((packed.logits[0] - alone).abs().max()) > 1e-4, family  # >> TOL: a leak fails every case below
+        assert float((packed.logits[0] - alone).abs().max()) > 1e-4, family  # >> EXACT: a leak fails every case below
         assert float((rows - alone).abs().max()) < 1e-5, family
 
 
@@ -68,10 +69,10 @@ def sp_results():
     return sp_runs_by_world(WORLD2, WORLD4)
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)
 def test_sp_matches_single_process(case, sp_results, tmp_path):
-    check_sp_case(case, sp_results, str(tmp_path), TOL, train_sft_case if isinstance(case, SFTCase) else None)
+    check_sp_case(case, sp_results, str(tmp_path), EXACT, train_sft_case if isinstance(case, SFTCase) else None)
 
 
 def _sp1_run(family: str, collator, sp_trainer: bool, out_dir: str) -> dict:
@@ -108,6 +109,6 @@ def test_sp_size_1_keeps_packed_documents_apart(family, tmp_path):
     ref = _sp1_run(family, pad_rows, False, str(tmp_path / "ref"))
     leaky = _sp1_run(family, packed, False, str(tmp_path / "leaky"))
     rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
-    assert max(abs(a / b - 1) for a, b in zip(ours["losses"], ref["losses"], strict=True)) <= TOL
-    assert rel(ours["params"], ref["params"]) <= TOL
+    assert max(abs(a / b - 1) for a, b in zip(ours["losses"], ref["losses"], strict=True)) <= EXACT
+    assert rel(ours["params"], ref["params"]) <= EXACT
     assert rel(leaky["params"], ref["params"]) > 10 * rel(ours["params"], ref["params"])

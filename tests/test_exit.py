@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-pytestmark = pytest.mark.slow  # launched jobs
+pytestmark = pytest.mark.e2e  # launched jobs
 
 _SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "exit_check.py")
 _spec = importlib.util.spec_from_file_location("exit_check", _SCRIPT)

@@ -6,7 +6,7 @@ import torch
 from tests.grpo_harness import CASES, diffs, reference, sp_results
 from tests.harness import assert_throughput_counts
 
-pytestmark = pytest.mark.slow  # spawned process groups
+pytestmark = pytest.mark.dist  # spawned gloo worlds (tests/pool.py); the tests marked otherwise below are not
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.compare], ids=lambda c: c.name)
@@ -39,6 +39,7 @@ def test_split_sampled_generation_keeps_the_group_in_step():
     assert got["shards"]["sharded"] > 0 and all(e["grad_norm"] > 0 for e in got["logs"])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("trainer", ["grpo", "rloo"])
 def test_sp_size_1_is_trl(trainer, tmp_path):
     """In one process with sp_size=1 the SP trainers are TRL's own: every logged figure and parameter identical."""

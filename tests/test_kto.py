@@ -6,7 +6,7 @@ import pytest
 
 from tests.preference_harness import WORLD2, WORLD4, check_case
 
-pytestmark = pytest.mark.slow  # spawned process groups
+pytestmark = pytest.mark.dist  # spawned gloo worlds (tests/pool.py)
 
 CASES = [c for c in WORLD2 + WORLD4 if c.trainer == "kto"]
 

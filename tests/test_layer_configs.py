@@ -10,9 +10,10 @@ from hf_sp_trainer.integrations.throughput import attention_geometry
 from hf_sp_trainer.model.heads import AttentionShape, attention_shapes, head_counts
 from hf_sp_trainer.planner import ModelShape
 from hf_sp_trainer.validate import validate_model_for_sp
-from tests.harness import Case, check_sp_case, sp_runs_by_world, tiny_model
+from tests.harness import EXACT, Case, check_sp_case, sp_runs_by_world, tiny_model
 
-TOL = 1e-5
+pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
+
 K_EQ_V = dict(attention_k_eq_v=True, num_global_key_value_heads=1)  # full-attention layers: 1 kv head, v = k
 SGD = dict(optim="sgd", family="gemma4")
 WORLD2 = [
@@ -61,7 +62,7 @@ def test_tiny_gemma4_has_the_features_under_test():
     loss = model(input_ids=ids, labels=ids).loss
     with torch.no_grad():
         model.model.embed_tokens_per_layer.weight.normal_(0.0, 1.0)
-    assert abs(model(input_ids=ids, labels=ids).loss.item() / loss.item() - 1) > 100 * TOL
+    assert abs(model(input_ids=ids, labels=ids).loss.item() / loss.item() - 1) > 100 * EXACT
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def sp_results():
     return sp_runs_by_world(WORLD2, WORLD4)
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)
 def test_sp_matches_single_process(case, sp_results, tmp_path):
-    check_sp_case(case, sp_results, str(tmp_path), TOL)
+    check_sp_case(case, sp_results, str(tmp_path), EXACT)

@@ -15,6 +15,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.unit  # in-process
+
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hf_sp_trainer"
 
 LAYERS: dict[str, list[str]] = {

@@ -19,6 +19,8 @@ from tests.length_crossing import (
     rope_dims,
 )
 
+pytestmark = pytest.mark.unit  # in-process
+
 
 def _decoder_configs():
     """``(model type, decoder config)`` of every causal LM and the text config of every image-text-to-text model."""

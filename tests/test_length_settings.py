@@ -11,9 +11,10 @@ gloo processes trains exactly like plain Trainer in one process.
 
 import pytest
 
-from tests.harness import Case, check_sp_case, sp_runs_by_world
+from tests.harness import EXACT, Case, check_sp_case, sp_runs_by_world
 
-TOL = 1e-5
+pytestmark = pytest.mark.dist  # spawned gloo worlds (tests/pool.py)
+
 RING2 = {"sp_ring_size": 2}
 SGD = dict(optim="sgd", steps=3, train_overrides={"learning_rate": 0.05})
 LLAMA4 = dict(family="llama4", model_overrides=dict(attention_chunk_size=8, floor_scale=4, attn_scale=1.0), **SGD)
@@ -47,7 +48,6 @@ def sp_results():
     return sp_runs_by_world(WORLD2, WORLD4)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)
 def test_sp_matches_single_process(case, sp_results, tmp_path):
-    check_sp_case(case, sp_results, str(tmp_path), TOL)
+    check_sp_case(case, sp_results, str(tmp_path), EXACT)

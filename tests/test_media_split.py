@@ -9,6 +9,8 @@ import pytest
 from hf_sp_trainer.multimodal.media_split import balanced_groups, media_layout
 from tests.multimodal_harness import LAYOUTS, build_vlm, make_examples
 
+pytestmark = pytest.mark.unit  # in-process
+
 
 @pytest.mark.parametrize(
     "counts,parts",

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import run_distributed, unwrap_results
+from tests.harness import EXACT, run_distributed, unwrap_results
 from tests.mixer_harness import run_checks
 from tests.test_mixers_lightning import lightning_cases
 from tests.test_mixers_mamba2 import mamba2_cases
 from tests.test_mixers_relay import relay_cases
 
-TOL = 1e-5
+pytestmark = pytest.mark.matrix  # a big parametrised sweep over gloo worlds
+
 LAYOUTS = {  # world size -> name -> (rows, ring size)
     2: {
         "start_inside": ([[13, 9, 18]], 1),
@@ -53,7 +54,7 @@ GDN_EXTRA = {  # world size -> name -> kwargs of check_gdn
     },
     4: {"kda_ring2x2_one_document": dict(rows=[[40]], ring_size=2, kda=True)},
 }
-CONTROLS = {  # must differ by far more than TOL: a dropped state or halo is caught
+CONTROLS = {  # must differ by far more than EXACT: a dropped state or halo is caught
     "no_state_passing": ("gdn", dict(rows=[[40]], carry_state=False)),
     "no_halo": ("conv", dict(rows=[[40]], halo=False)),
 }
@@ -89,7 +90,7 @@ ALL = [name for world in LAYOUTS for name, _, _ in _cases(world) if not name.sta
 def test_sp_kernel_matches_each_document_alone(name: str, results: dict) -> None:
     worst = max(results[name].values())
     print(name, {k: f"{v:.1e}" for k, v in results[name].items()})
-    assert worst <= TOL, f"{name}: {results[name]}"
+    assert worst <= EXACT, f"{name}: {results[name]}"
 
 
 CONTROL_NAMES = [name for world in LAYOUTS for name, _, _ in _cases(world) if name.startswith("control_")]

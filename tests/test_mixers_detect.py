@@ -11,6 +11,8 @@ from hf_sp_trainer.model.mixers import covered_mixers
 from hf_sp_trainer.validate import validate_model_for_sp
 from tests.family_harness import build_model
 
+pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
+
 REFUSED = {  # model type, class: what the error must name
     "zaya": ("ZayaForCausalLM", ["Conv1d", "a convolution over the sequence"]),
     "jamba": ("JambaForCausalLM", ["JambaMambaMixer", "mamba_selective_scan", "no exact version"]),  # Mamba1

@@ -12,6 +12,8 @@ from hf_sp_trainer.documents import BOUNDS_KWARG, SP_KWARG
 from hf_sp_trainer.mixers.swap import MODULE_ENTRIES, _lightning_ok, check_module
 from tests.mixer_harness import lightning_layer
 
+pytestmark = pytest.mark.unit  # in-process
+
 
 def lightning_cases(world: int, ring: int) -> list[tuple[str, str, dict]]:
     """``tests/test_mixers.py`` cases: runs of 13 tokens over blocks of 4 (partial blocks), documents starting

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 from transformers.models.bamba import modeling_bamba as bamba
 
 from hf_sp_trainer.documents import BOUNDS_KWARG
 from hf_sp_trainer.mixers.swap import ENTRIES, _mamba2_ok
+
+pytestmark = pytest.mark.unit  # in-process
 
 CLAMP = (0.05, 0.3)  # a time_step_limit that bites on both sides (softplus(dt + dt_bias) spans about 0.03 to 0.5)
 

@@ -11,6 +11,8 @@ from hf_sp_trainer import TrainingArguments
 from hf_sp_trainer.mixers.swap import check_state_passing
 from tests.test_mixers_mamba2 import layouts
 
+pytestmark = pytest.mark.unit  # in-process
+
 RELAY = dict(relay=True)
 
 

@@ -12,10 +12,13 @@ from collections import Counter
 import pytest
 import transformers
 
-from tests.family_harness import DOCS, LONG, TOL, families, run_families
+from tests.family_harness import DOCS, LONG, families, run_families
+from tests.harness import EXACT as TOL  # the name render() uses
 from tests.harness import run_distributed
 from tests.length_crossing import KERNEL_BLOCKING, describe
 from tests.multimodal_harness import classify_vlms
+
+pytestmark = pytest.mark.matrix  # a big parametrised sweep over gloo worlds
 
 MODELS_MD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "models.md")
 REGENERATE = "python scripts/gen_models_md.py"
@@ -71,19 +74,16 @@ def _check(outcomes: dict[str, dict], model_type: str) -> None:
         assert crossed["acts"] > ACTS, f"{model_type}: crossing {describe(crossed['crossed'])} changed nothing"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("model_type", [f.model_type for f in IN_SCOPE])
 def test_family_is_exact_or_refused(model_type: str, outcomes: dict[str, dict]) -> None:
     _check(outcomes, model_type)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("model_type", [t for t in RING_SAMPLE if t in {f.model_type for f in IN_SCOPE}])
 def test_ring_sample_is_exact_or_refused(model_type: str, ring_outcomes: dict[str, dict]) -> None:
     _check(ring_outcomes, model_type)
 
 
-@pytest.mark.slow
 def test_models_md(outcomes: dict[str, dict], ring_outcomes: dict[str, dict]) -> None:
     """``docs/models.md`` is the table these outcomes give, for the installed transformers; never rewritten here."""
     committed = open(MODELS_MD).read() if os.path.exists(MODELS_MD) else ""

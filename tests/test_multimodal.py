@@ -9,17 +9,18 @@ import tempfile
 import pytest
 import torch
 
-from tests.harness import run_distributed, unwrap_results
+from tests.harness import EXACT, params_rel, run_distributed, unwrap_results
 from tests.multimodal_harness import (
     IMG,
     LAYOUTS,
-    TOL,
     Case,
     build_vlm,
     make_examples,
     run_matrix,
     train_vlm,
 )
+
+pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
 
 SP2 = [
     Case("qwen2_vl", "mixed"),
@@ -198,20 +199,21 @@ def sp4_results() -> dict[str, dict]:
     return unwrap_results(run_distributed(4, run_matrix, SP4, 4))[0]
 
 
+@pytest.mark.matrix
 @pytest.mark.parametrize("case", SP2, ids=lambda c: c.name)
 def test_vlm_sp2_matches_each_document_alone(case: Case, sp2_results: dict) -> None:
     result = sp2_results[case.name]
-    assert result["error"] <= TOL, f"{case.name}: {result['error']:.2e} at {result['where']}"
+    assert result["error"] <= EXACT, f"{case.name}: {result['error']:.2e} at {result['where']}"
     assert (result["exchanged"] > 0) == case.split, result  # split media ran where asked, and only there
     if case.crossed:
         assert result["crossed"] and result["acts"] > ACTS, f"{case.name}: crossing {result['crossed']} changed nothing"
 
 
-@pytest.mark.slow
+@pytest.mark.matrix
 @pytest.mark.parametrize("case", SP4, ids=lambda c: c.name)
 def test_vlm_sp4_matches_each_document_alone(case: Case, sp4_results: dict) -> None:
     result = sp4_results[case.name]
-    assert result["error"] <= TOL, f"{case.name}: {result['error']:.2e} at {result['where']}"
+    assert result["error"] <= EXACT, f"{case.name}: {result['error']:.2e} at {result['where']}"
     assert (result["exchanged"] > 0) == case.split, result
 
 
@@ -258,9 +260,8 @@ TRAINER_CASES = {
 }
 
 
-@pytest.mark.parametrize(
-    "name", [n if n == "qwen2_vl_sp2_ga2" else pytest.param(n, marks=pytest.mark.slow) for n in TRAINER_CASES]
-)
+@pytest.mark.matrix
+@pytest.mark.parametrize("name", list(TRAINER_CASES))
 def test_sp_trainer_matches_trainer(name: str) -> None:
     """``SPTrainer`` (default collator: multimodal packing) against plain ``Trainer`` with one padded row per document
     (one process, or DDP for dp 2 x sp 2): per-step loss and grad_norm, and the weights after three SGD steps of two
@@ -280,10 +281,9 @@ def test_sp_trainer_matches_trainer(name: str) -> None:
     for key in ("losses", "grad_norms"):
         assert len(got[key]) == len(ref[key]) == 3
         for a, b in zip(got[key], ref[key], strict=True):
-            assert abs(a - b) <= TOL * abs(b), (key, got[key], ref[key])
-    diff = sum(float((got["params"][n] - ref["params"][n]).pow(2).sum()) for n in ref["params"]) ** 0.5
-    norm = sum(float(ref["params"][n].pow(2).sum()) for n in ref["params"]) ** 0.5
-    assert diff / norm <= TOL, diff / norm
+            assert abs(a - b) <= EXACT * abs(b), (key, got[key], ref[key])
+    weights = params_rel(got["params"], ref["params"])
+    assert weights <= EXACT, weights
 
 
 # -- bad input: a ValueError on every rank, nothing hangs --------------------------------------------------------
@@ -331,6 +331,7 @@ def _bad_inputs() -> dict[str, str]:
     return out
 
 
+@pytest.mark.dist
 def test_bad_multimodal_inputs_raise_on_every_rank() -> None:
     results = unwrap_results(run_distributed(2, _bad_inputs))
     for rank in results:
@@ -506,6 +507,7 @@ def test_gemma3_checks_its_block_kernels() -> None:
         validate_model_for_sp(model, 2)
 
 
+@pytest.mark.dist
 def test_image_blocks_are_needed() -> None:
     """Negative controls: the same Gemma3 / Gemma4 cases with the images' pairs ``p < j`` left out (causal) are far
     from the single-device result, as is the ring case with only those in a later key chunk left out (the blocks a
@@ -582,9 +584,8 @@ def _sft_job(sp_size: int, assistant_only: bool) -> dict:
         return sft_vlm(sp_size, out, assistant_only=assistant_only)
 
 
-@pytest.mark.parametrize(
-    "assistant_only", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["all", "assistant"]
-)
+@pytest.mark.dist
+@pytest.mark.parametrize("assistant_only", [False, True], ids=["all", "assistant"])
 def test_sp_sft_on_vision_conversations_matches_trl(assistant_only: bool) -> None:
     """``SPSFTTrainer`` on TRL's vision dataset format (``messages`` + ``images``, a processor as
     ``processing_class``; TRL's own processing and label masking per example, then one packed row) against
@@ -598,13 +599,12 @@ def test_sp_sft_on_vision_conversations_matches_trl(assistant_only: bool) -> Non
     for key in ("losses", "grad_norms"):
         assert len(got[key]) == len(ref[key]) == 3
         for a, b in zip(got[key], ref[key], strict=True):
-            assert abs(a - b) <= TOL * abs(b), (key, got[key], ref[key])
-    diff = sum(float((got["params"][n] - ref["params"][n]).pow(2).sum()) for n in ref["params"]) ** 0.5
-    norm = sum(float(ref["params"][n].pow(2).sum()) for n in ref["params"]) ** 0.5
-    assert diff / norm <= TOL, diff / norm
+            assert abs(a - b) <= EXACT * abs(b), (key, got[key], ref[key])
+    weights = params_rel(got["params"], ref["params"])
+    assert weights <= EXACT, weights
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_hf_sp_sft_with_a_vlm_checkpoint_matches_trl(tmp_path) -> None:
     """``hf-sp-sft --num_processes 2 --sp_size 2`` given a VLM checkpoint directory (a tiny LLaVA and its processor,
     loaded as TRL loads a hub id) and a parquet file of TRL's vision conversations: per-step loss and grad_norm, and
@@ -640,8 +640,7 @@ def test_hf_sp_sft_with_a_vlm_checkpoint_matches_trl(tmp_path) -> None:
     ref = sft_vlm(1, str(tmp_path / "ref"))
     assert len(got) == len(ref["losses"]) == 3
     for (loss, norm), ref_loss, ref_norm in zip(got, ref["losses"], ref["grad_norms"], strict=True):
-        assert abs(loss - ref_loss) <= TOL * abs(ref_loss) and abs(norm - ref_norm) <= TOL * ref_norm, (got, ref)
+        assert abs(loss - ref_loss) <= EXACT * abs(ref_loss) and abs(norm - ref_norm) <= EXACT * ref_norm, (got, ref)
     saved = dict(transformers.LlavaForConditionalGeneration.from_pretrained(out).named_parameters())
-    diff = sum(float((saved[n].detach() - ref["params"][n]).pow(2).sum()) for n in ref["params"]) ** 0.5
-    norm = sum(float(ref["params"][n].pow(2).sum()) for n in ref["params"]) ** 0.5
-    assert diff / norm <= TOL, diff / norm
+    weights = params_rel(saved, ref["params"])
+    assert weights <= EXACT, weights

@@ -1,6 +1,8 @@
 """The main job's data: documents of the asked length, keys readable only from the needle, held-out documents split
 evenly between cross-shard and in-shard needles, the curriculum's batch order, TRL-style completion labels."""
 
+import pytest
+
 from hf_sp_trainer.data import build_char_tokenizer
 from hf_sp_trainer.data.passkey import (
     KEY_ALPHABETS,
@@ -9,6 +11,8 @@ from hf_sp_trainer.data.passkey import (
     passkey_eval_dataset,
     tokenize_completions,
 )
+
+pytestmark = pytest.mark.unit  # in-process
 
 
 def test_eval_documents_half_cross_shard_at_every_length():

@@ -15,6 +15,8 @@ import torch
 
 from hf_sp_trainer import patches
 
+pytestmark = pytest.mark.unit  # in-process
+
 
 @pytest.fixture
 def dummy():
@@ -344,7 +346,7 @@ def _sp_run_patches(family: str, out_dir: str) -> list[tuple[str, str, str]]:
     return table
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize(
     "family, expected",
     [

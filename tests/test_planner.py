@@ -22,6 +22,8 @@ from hf_sp_trainer import planner
 from hf_sp_trainer.cli.plan import load_shape, main
 from hf_sp_trainer.planner import MIB, ModelShape, Setting, estimate, longest_length
 
+pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "hf_sp_trainer", "data", "tiny_llama.json")
 MEASUREMENTS = ("docs/benchmarks/tiny_16k/memory.json", "docs/benchmarks/memory.json",
@@ -97,7 +99,7 @@ def test_stored_measurements_within_tolerance():
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e
 def test_fresh_measurement_within_tolerance(monkeypatch):
     """One 2-process sp 2 bench_memory run of the tiny model at 8K tokens (plain and checkpointed), now."""
     bm = bench_memory()

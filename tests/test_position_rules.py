@@ -20,6 +20,8 @@ from hf_sp_trainer.documents import DocumentLayout
 from tests.harness import tiny_model
 from tests.test_length_settings import LONGROPE
 
+pytestmark = pytest.mark.unit  # in-process
+
 
 def test_llama4_scales_nope_queries_by_the_row_index():
     """Contract: Llama-4's NoPE layer scales its query by ``nope_temperature(arange(length))``, the row index of

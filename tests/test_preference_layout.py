@@ -12,6 +12,8 @@ from hf_sp_trainer.trainers.scoring.layout import (
     token_slots,
 )
 
+pytestmark = pytest.mark.unit  # in-process
+
 
 def padded_batch():
     lengths, seq = [9, 4, 7, 3], 9

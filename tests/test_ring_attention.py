@@ -21,7 +21,9 @@ from hf_sp_trainer.sharding.zigzag import (
     zigzag_permutation,
     zigzag_ranges,
 )
-from tests.harness import run_distributed, unwrap_results
+from tests.harness import BF16_TOL, EXACT, FP64_EXACT, run_distributed, unwrap_results
+
+pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
 
 S = 48  # 2R chunks of 6 tokens for R = 4, of 12 for R = 2
 
@@ -216,9 +218,9 @@ def test_block_kernel_matches_softmax(kernel, block, hkv, softcap):
         out, lse = block_forward(q, k, v, **geometry)
         grads = block_backward(dout, q, k, v, out, lse, **geometry)
         ref_lse = masked_scores(q, k, mask, 0.4, softcap).logsumexp(-1)
-    assert rel_err(out, ref) < 1e-12 and rel_err(lse, ref_lse) < 1e-12
+    assert rel_err(out, ref) < FP64_EXACT and rel_err(lse, ref_lse) < FP64_EXACT
     for got, want in zip(grads, (q.grad, k.grad, v.grad), strict=True):
-        assert rel_err(got, want) < 1e-12
+        assert rel_err(got, want) < FP64_EXACT
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "eager"])
@@ -243,9 +245,9 @@ def test_block_kernel_value_head_dim_differs(kernel, block, dv):
     with torch.no_grad():
         out, lse = block_forward(q, k, v, **geometry)
         grads = block_backward(dout, q, k, v, out, lse, **geometry)
-    assert out.shape == ref.shape and rel_err(out, ref) < 1e-12
+    assert out.shape == ref.shape and rel_err(out, ref) < FP64_EXACT
     for got, want in zip(grads, (q.grad, k.grad, v.grad), strict=True):
-        assert got.shape == want.shape and rel_err(got, want) < 1e-12
+        assert got.shape == want.shape and rel_err(got, want) < FP64_EXACT
 
 
 def test_ring_attention_refuses_bad_shapes():
@@ -316,7 +318,7 @@ class RingCase:
     softcap: float | None = None
     kernel: str = "sdpa"
     dtype: torch.dtype = torch.float32
-    tol: float = 1e-5
+    tol: float = EXACT
     sinks: bool = False  # large per-head sinks (std 3 around the row LSE): dropping them fails
     dv: int = 8  # value head dim (MLA: != the q/k head dim 8)
     images: tuple = ()  # (row, start, end) runs whose tokens see each other (Gemma3)
@@ -324,25 +326,25 @@ class RingCase:
 
 CASES = {
     "one_doc": RingCase([[(0, S)]]),
-    "one_doc_fp64": RingCase([[(0, S)]], dtype=torch.float64, tol=1e-12),
+    "one_doc_fp64": RingCase([[(0, S)]], dtype=torch.float64, tol=FP64_EXACT),
     "straddle": RingCase([STRADDLE]),
-    "straddle_fp64": RingCase([STRADDLE], dtype=torch.float64, tol=1e-12),
+    "straddle_fp64": RingCase([STRADDLE], dtype=torch.float64, tol=FP64_EXACT),
     "mixed": RingCase([MIXED]),
     "one_token_docs": RingCase([ONE_TOKEN]),
     "window_lt_chunk": RingCase([_lengths(30, 18)], window=3),
     "window_gt_chunk": RingCase([MIXED], window=20),
-    "window_fp64": RingCase([STRADDLE], window=7, dtype=torch.float64, tol=1e-12),
+    "window_fp64": RingCase([STRADDLE], window=7, dtype=torch.float64, tol=FP64_EXACT),
     "gqa_hkv1": RingCase([MIXED], hkv=1),
     "gqa_hkv2_window": RingCase([STRADDLE], hkv=2, window=9),
     "softcap": RingCase([MIXED], softcap=5.0),
     "softcap_gqa_window": RingCase([STRADDLE], hkv=2, window=5, softcap=5.0),
     "batch2": RingCase([MIXED, ONE_TOKEN]),
     "eager_window": RingCase([MIXED, STRADDLE], hkv=2, window=7, kernel="eager"),
-    "bf16": RingCase([MIXED], hkv=2, dtype=torch.bfloat16, tol=3e-2),
+    "bf16": RingCase([MIXED], hkv=2, dtype=torch.bfloat16, tol=BF16_TOL),
     "sinks": RingCase([STRADDLE], sinks=True),
     "sinks_gqa_window": RingCase([MIXED, STRADDLE], hkv=2, window=7, sinks=True),
     "sinks_eager_window_fp64": RingCase(
-        [STRADDLE], hkv=1, window=9, kernel="eager", sinks=True, dtype=torch.float64, tol=1e-12
+        [STRADDLE], hkv=1, window=9, kernel="eager", sinks=True, dtype=torch.float64, tol=FP64_EXACT
     ),  # fmt: skip
     "mla_dv6": RingCase([MIXED], hkv=2, dv=6),
     "mla_dv12_window_eager": RingCase([STRADDLE], window=7, kernel="eager", dv=12),
@@ -350,7 +352,9 @@ CASES = {
     # Gemma3's images: one across three chunks (R = 4), one cut by a document start, one closing a row
     "images": RingCase([MIXED], images=IMAGES_MIXED),
     "images_window_gqa": RingCase([MIXED], hkv=2, window=5, images=IMAGES_MIXED),
-    "images_fp64": RingCase([STRADDLE], dtype=torch.float64, tol=1e-12, window=4, images=((0, 3, 16), (0, 30, 47))),
+    "images_fp64": RingCase(
+        [STRADDLE], dtype=torch.float64, tol=FP64_EXACT, window=4, images=((0, 3, 16), (0, 30, 47))
+    ),
     "images_batch2_eager": RingCase(
         [MIXED, STRADDLE], hkv=1, window=7, kernel="eager", images=(*IMAGES_MIXED, (1, 0, 9), (1, 12, 40))
     ),  # fmt: skip
@@ -440,7 +444,7 @@ def ring_results() -> list[dict]:
     return unwrap_results(run_distributed(4, _ring_worker, timeout=300))
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("ring", RINGS)
 @pytest.mark.parametrize("name", list(CASES))
 def test_ring_attention_matches_dense(ring_results, name, ring):
@@ -456,7 +460,7 @@ def test_ring_attention_matches_dense(ring_results, name, ring):
         assert ("dsinks" in errors) == CASES[name].sinks
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 def test_kernel_without_lse_refused_on_every_rank_before_communicating(ring_results):
     for result in ring_results:
         assert len(result["refused"]) == 2 and all("log-sum-exp" in msg for msg in result["refused"])

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from hf_sp_trainer.losses.router import computes_the_formula, router_sums
 from tests.harness import (
+    EXACT,
     Case,
     assert_within,
     compare,
@@ -22,7 +23,8 @@ from tests.harness import (
 )
 from tests.sft_harness import SFTCase, train_sft_case
 
-TOL = 1e-5
+pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
+
 MODELS = "transformers.models.{0}.modeling_{0}"
 
 
@@ -104,7 +106,7 @@ def _grad_diff(got: dict, ref: dict) -> float:
     return (diff / sum(float(g.pow(2).sum()) for g in ref.values())) ** 0.5
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("world,ring", [(2, None), (4, 2)], ids=["sp2", "sp4_ring2"])
 def test_loss_and_gradients_match_one_process(world, ring):
     families = ["mixtral", "qwen3_moe"]
@@ -115,9 +117,9 @@ def test_loss_and_gradients_match_one_process(world, ring):
         router = [k for k in ref_grads if k.endswith("gate.weight")]
         assert router, "the router's gradient must be compared"
         print(family, world, abs(loss - ref_loss) / ref_loss, _grad_diff(grads, ref_grads))
-        assert abs(loss - ref_loss) <= TOL * ref_loss
-        assert _grad_diff(grads, ref_grads) <= TOL
-        assert _grad_diff({k: grads[k] for k in router}, {k: ref_grads[k] for k in router}) <= TOL
+        assert abs(loss - ref_loss) <= EXACT * ref_loss
+        assert _grad_diff(grads, ref_grads) <= EXACT
+        assert _grad_diff({k: grads[k] for k in router}, {k: ref_grads[k] for k in router}) <= EXACT
     ref_loss, _ = _reference("mixtral")
     assert abs(got["control"][0] - ref_loss) > 1e-3 * ref_loss, "the per-shard router loss must differ"
 
@@ -146,7 +148,7 @@ def trainer_results():
     }
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("case", TRAINER_CASES + DP2_CASES, ids=lambda c: c.name)
 def test_sp_trainer_router_loss_matches(case, trainer_results, tmp_path):
     got = trainer_results[case.world_size][case.name]
@@ -162,10 +164,10 @@ def test_sp_trainer_router_loss_matches(case, trainer_results, tmp_path):
         ref = train_case(case, sp=False, out_dir=str(tmp_path))
     diffs = compare(ref, got)
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
-    assert_within(case.name, diffs, TOL)
+    assert_within(case.name, diffs, EXACT)
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("case", SFT_CASES, ids=lambda c: c.name)
 def test_sp_sft_router_loss_matches(case, trainer_results, tmp_path):
     got = trainer_results[2][case.name]
@@ -173,7 +175,7 @@ def test_sp_sft_router_loss_matches(case, trainer_results, tmp_path):
     diffs = compare(ref, got)
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()}, got["aux_losses"], ref["aux_losses"])
     for key in ("loss", "grad_norm", "eval_loss", "params"):
-        assert diffs[key] <= TOL, f"{case.name}: {key} differs by {diffs[key]:.3e} (relative)"
+        assert diffs[key] <= EXACT, f"{case.name}: {key} differs by {diffs[key]:.3e} (relative)"
     assert len(got["aux_losses"]) == len(ref["aux_losses"]) == case.steps
     for a, b in [*zip(got["aux_losses"], ref["aux_losses"], strict=True), (got["eval_aux_loss"], ref["eval_aux_loss"])]:
-        assert abs(a - b) <= TOL * abs(b)
+        assert abs(a - b) <= EXACT * abs(b)

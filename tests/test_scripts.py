@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow  # launched jobs
+pytestmark = pytest.mark.e2e  # launched jobs; the tests marked otherwise below are not
 
 ROOT = Path(__file__).parents[1] / "scripts"
 LORA = sorted(str(p) for p in (ROOT / "lora").glob("*.sh") if p.name[0] != "_")
@@ -43,6 +43,7 @@ def test_lora_script_smoke(script, tmp_path):
     assert "Model saved to" in stdout
 
 
+@pytest.mark.unit
 def test_scripts_found():
     assert len(LORA) == 3
 

@@ -2,12 +2,11 @@
 
 import pytest
 
-from tests.harness import run_cases, run_distributed, unwrap_results
+from tests.harness import EXACT, sp_runs_by_world, unwrap_results
 from tests.sft_harness import SFTCase, train_sft_case
 
-pytestmark = pytest.mark.slow  # spawned process groups / launched jobs
+pytestmark = pytest.mark.dist  # spawned gloo worlds (tests/pool.py)
 
-TOL = 1e-5
 WORLD2 = [
     SFTCase("padding_free_text"),
     SFTCase("uneven_last_batches", batch_size=4, n_train=10, config={"per_device_eval_batch_size": 3}),
@@ -23,7 +22,7 @@ WORLD4 = [SFTCase("dp2sp2_lora_completion", data="prompt_completion", lora=True,
 
 @pytest.fixture(scope="module")
 def sp_results():
-    return {world: run_distributed(world, run_cases, cases) for world, cases in ((2, WORLD2), (4, WORLD4))}
+    return sp_runs_by_world(WORLD2, WORLD4)
 
 
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)
@@ -37,7 +36,7 @@ def test_sp_sft_matches_single_process(case, sp_results, tmp_path):
     assert got["global_step"] == ref["global_step"] == case.steps
     assert got["is_peft"] == ref["is_peft"] == ("PeftModel" if case.lora else "LlamaForCausalLM")
     for key in ("loss", "grad_norm", "eval_loss", "params"):
-        assert diffs[key] <= TOL, f"{case.name}: {key} differs by {diffs[key]:.3e} (relative)"
+        assert diffs[key] <= EXACT, f"{case.name}: {key} differs by {diffs[key]:.3e} (relative)"
     accuracies = list(zip(got["token_accuracy"], ref["token_accuracy"], strict=True))
     if case.name == "packing_wrapped":
         # TRL gathers its metric sums with `gather_for_metrics`, which on the last batch of an uneven epoch keeps only

@@ -6,6 +6,8 @@ import torch
 
 from hf_sp_trainer.sharding import SequenceSharding, add_shift_labels, check_sp_padding, pad_to_multiple
 
+pytestmark = pytest.mark.unit  # in-process
+
 
 def _batch(length=11):
     ids = torch.arange(3, 3 + length).unsqueeze(0)

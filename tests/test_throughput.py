@@ -23,6 +23,8 @@ from hf_sp_trainer.integrations.throughput import (
 )
 from tests.harness import quiet_args, synthetic_dataset, tiny_model
 
+pytestmark = pytest.mark.unit  # in-process
+
 KEYS = ("tokens_per_second_per_rank", "step_time_s", "peak_memory_mb")
 
 

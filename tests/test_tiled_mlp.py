@@ -13,6 +13,7 @@ import torch
 
 from hf_sp_trainer.memory.tiled_mlp import TiledMLP, apply_tiled_mlp, remove_tiled_mlp
 from tests.harness import (
+    EXACT,
     FAMILIES,
     Case,
     assert_within,
@@ -24,7 +25,8 @@ from tests.harness import (
 )
 from tests.sft_harness import SFTCase, reference_run
 
-TOL = 1e-5
+pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
+
 TILED = {"tiled_mlp": True, "tiled_mlp_num_shards": 3}
 ALL_FEATURES = TILED | {"checkpoint_policy": "sequence_aware", "checkpoint_offloading": True, "fused_loss": True}
 CASES = [
@@ -71,7 +73,7 @@ def test_tiled_mlp_is_the_mlp(family):
     loss, grads = _loss_and_grads(model, ids)
     assert set(calls.values()) == {4 + 4}  # 4 tiles in forward, each recomputed once in backward
     assert abs(float(loss - ref_loss)) <= 1e-6 * abs(float(ref_loss))
-    assert _max_rel(grads, ref_grads) <= TOL
+    assert _max_rel(grads, ref_grads) <= EXACT
     remove_tiled_mlp(model)
     assert not any(isinstance(m, TiledMLP) for m in model.modules())
 
@@ -101,7 +103,7 @@ def test_each_parameter_gradient_is_accumulated_once(lora, checkpointing):
     _, ref_grads = _loss_and_grads(ref, ids)
     _, grads = _loss_and_grads(model, ids)
     assert len(accumulations) == (12 if lora else 6) and set(accumulations.values()) == {1}
-    assert _max_rel(grads, ref_grads) <= TOL
+    assert _max_rel(grads, ref_grads) <= EXACT
 
 
 def test_unrecognised_mlp_and_bad_tile_count_raise():
@@ -121,7 +123,7 @@ def test_tiled_mlp_evaluation_and_default_tile_count():
         ref = model(input_ids=ids).logits
         apply_tiled_mlp(model)  # ceil(200 / hidden 64) = 4 tiles
         got = model(input_ids=ids).logits
-    assert float((got - ref).norm() / ref.norm()) <= TOL
+    assert float((got - ref).norm() / ref.norm()) <= EXACT
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -148,7 +150,7 @@ def sp_results():
     return unwrap_results(run_distributed(2, run_cases, SFT_CASES + CASES, count_tiled_calls))[0]
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.parametrize("case", CASES + SFT_CASES, ids=lambda c: c.name)
 def test_tiled_mlp_trains_like_plain_single_process(case, sp_results, tmp_path):
     got = sp_results[case.name]
@@ -156,4 +158,4 @@ def test_tiled_mlp_trains_like_plain_single_process(case, sp_results, tmp_path):
     diffs = compare(reference_run(case, str(tmp_path)), got)
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
     assert got["global_step"] == case.steps
-    assert_within(case.name, diffs, TOL)
+    assert_within(case.name, diffs, EXACT)

@@ -5,6 +5,8 @@ import pytest
 from hf_sp_trainer.topology import check_ring_size, check_world, split_sp_size
 from tests.harness import run_distributed, unwrap_results
 
+pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
+
 
 @pytest.mark.parametrize(
     "sp,heads,ring,expected",
@@ -55,7 +57,7 @@ def _groups(sp: int, ring: int) -> dict:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 def test_groups_ulysses_inner_ring_across():
     """World 4, sp 4 = ulysses 2 x ring 2: Ulysses groups {0,1} {2,3}; rings {0,2} {1,3}."""
     got = unwrap_results(run_distributed(4, _groups, 4, 2, timeout=120))

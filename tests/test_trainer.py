@@ -7,6 +7,8 @@ import transformers
 from hf_sp_trainer import SPDataCollator, SPTrainer, TrainingArguments
 from tests.harness import run_distributed, synthetic_dataset, tiny_model, unwrap_results
 
+pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
+
 
 def _run(trainer_cls, args_cls, tmp):
     args = args_cls(
@@ -65,7 +67,7 @@ def _storages_seen(out_dir: str) -> dict:
     return {"device": str(args.device), "collated": collated, "seen": seen}
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 def test_sp_on_cpu_feeds_the_collated_batch_uncopied(tmp_path):
     """accelerate's distributed CPU device is ``cpu:0`` and torch copies a CPU tensor on ``.to("cpu:0")``: the data
     loader and the Trainer's input preparation each copied every batch (a long multimodal row's pixels included).

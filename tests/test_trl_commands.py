@@ -6,6 +6,8 @@ import pytest
 
 from hf_sp_trainer.cli.trl_commands import COMMANDS, make_parser, reward_functions
 
+pytestmark = pytest.mark.unit  # in-process
+
 
 def _flags(parser) -> set[str]:
     return {flag for action in parser._actions for flag in action.option_strings}

@@ -69,7 +69,7 @@ def interleaved_models() -> dict[str, float]:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 def test_models_with_different_splits_in_one_process() -> None:
     for rank, result in enumerate(unwrap_results(run_distributed(2, interleaved_models, timeout=600))):
         for name in (*SPLITS, "lfm2_apart"):

@@ -23,6 +23,8 @@ import pytest
 
 from hf_sp_trainer import patches
 
+pytestmark = pytest.mark.unit  # in-process
+
 
 @dataclass(frozen=True)
 class Member:

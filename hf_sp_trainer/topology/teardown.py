@@ -45,17 +45,18 @@ def end_process_groups(barrier: bool = True, timeout_s: float = EXIT_BARRIER_TIM
 
 def register_exit_hook() -> None:
     """Tear the process groups down at interpreter exit if nobody did (idempotent; call it from every rank)."""
-    if _state["registered"] or os.environ.get("HF_SP_EXIT_HOOK", "1") == "0":  # 0: off (before/after comparisons)
+    if os.environ.get("HF_SP_EXIT_HOOK", "1") == "0":  # 0: off (before/after comparisons)
         return
-    _state["registered"] = True
-    patches.patch(
+    patches.patch(  # idempotent: a live patch is returned; one undone since is applied again
         sys,
         "excepthook",
         wrap=_noting_failures,
         check=check_hook,
         reason="note an uncaught exception: the exit teardown then skips its barrier (the failing rank exits at once)",
     )
-    atexit.register(_at_exit)
+    if not _state["registered"]:
+        _state["registered"] = True
+        atexit.register(_at_exit)
 
 
 def check_hook(hook) -> None:

@@ -15,7 +15,7 @@ from hf_sp_trainer.mixers.swap import DISPATCHED, _gdn_ok, check_kernel, dispatc
 from tests.interpreter.kernels import dispatched, hub_wrapper
 from tests.interpreter.shims import cuda_calls_on_cpu
 
-pytestmark = pytest.mark.triton_interpret
+pytestmark = [pytest.mark.triton_interpret, pytest.mark.unit]
 
 KERNELS = {
     "torch_chunk_gated_delta_rule": qwen,

@@ -13,7 +13,7 @@ import pytest
 
 from tests.interpreter.shims import PATCHED
 
-pytestmark = pytest.mark.triton_interpret
+pytestmark = [pytest.mark.triton_interpret, pytest.mark.unit]
 
 CONSTRAINTS = os.path.join(os.path.dirname(__file__), "constraints.txt")
 

@@ -23,7 +23,7 @@ from tests.harness import (
 from tests.interpreter.workers import train_head_calls
 from tests.interpreter.worlds import LIGER_SP2
 
-pytestmark = pytest.mark.triton_interpret
+pytestmark = [pytest.mark.triton_interpret, pytest.mark.unit]  # the test marked dist below is not
 
 TOL = 1e-5
 
@@ -110,7 +110,7 @@ def _train_sp1(out_dir: str, fused: bool) -> dict:
     }
 
 
-@pytest.mark.slow
+@pytest.mark.dist
 def test_trainer_with_liger_fused_loss(world2: dict, tmp_path) -> None:
     """SPTrainer(fused_loss=True) at sp 1 (this process) and sp 2 (the 2-rank world): Liger computes every training
     and loss-only evaluation loss (the LM head never runs in training), and the runs equal plain Trainer's (per-step

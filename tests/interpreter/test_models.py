@@ -15,7 +15,7 @@ import pytest
 from tests.interpreter.workers import KINDS
 from tests.interpreter.worlds import WORLD2, WORLD4
 
-pytestmark = [pytest.mark.triton_interpret, pytest.mark.slow]
+pytestmark = [pytest.mark.triton_interpret, pytest.mark.dist]
 
 TOL = 1e-5
 

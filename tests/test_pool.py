@@ -1,0 +1,78 @@
+"""The session's gloo pool (``tests/pool.py``): a case starts as a freshly spawned rank did, and a case that fails or
+hangs leaves nothing behind for the next one."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from tests import pool
+from tests.harness import run_distributed, unwrap_results
+
+pytestmark = pytest.mark.dist  # the pool's own worlds
+
+
+def _leave_a_mess(tmp: str) -> int:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    os.environ["HF_SP_POOL_TEST"] = "left over"
+    os.environ.pop("OMP_NUM_THREADS")
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(123)
+    os.chdir(tmp)
+    return os.getpid()
+
+
+def _what_a_case_sees() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    return {
+        "pid": os.getpid(),
+        "initialized": dist.is_initialized(),
+        "env": (os.environ.get("HF_SP_POOL_TEST"), os.environ["OMP_NUM_THREADS"], os.environ["WORLD_SIZE"]),
+        "rank": os.environ["RANK"],
+        "dtype": str(torch.get_default_dtype()),
+        "seed": torch.initial_seed(),
+        "cwd": os.getcwd(),
+    }
+
+
+def test_a_case_starts_as_a_fresh_rank(tmp_path):
+    before = unwrap_results(run_distributed(2, _what_a_case_sees))
+    pids = unwrap_results(run_distributed(2, _leave_a_mess, str(tmp_path)))
+    after = unwrap_results(run_distributed(2, _what_a_case_sees))
+    assert [r["pid"] for r in after] == pids  # the same processes
+    assert after == before
+    assert [r["rank"] for r in after] == ["0", "1"] and not any(r["initialized"] for r in after)
+    assert after[0]["env"] == (None, "1", "2") and after[0]["dtype"] == "torch.float32"
+    assert after[0]["seed"] == 67280421310721  # torch's default seed, every case (a fresh rank's was arbitrary)
+    fresh = unwrap_results(run_distributed(2, _what_a_case_sees, fresh=True))
+    same = ("initialized", "env", "rank", "dtype", "cwd")
+    assert [{k: r[k] for k in same} for r in fresh] == [{k: r[k] for k in same} for r in after]
+
+
+def _fail() -> None:
+    raise RuntimeError("this case fails")
+
+
+def _hang() -> None:
+    time.sleep(3600)
+
+
+def test_a_failed_or_hung_case_gets_a_new_world():
+    spawned = len(pool.spawned)
+    first = unwrap_results(run_distributed(1, _what_a_case_sees))[0]
+    failed = run_distributed(1, _fail)
+    assert failed[0][0] == "error" and "this case fails" in failed[0][1]
+    second = unwrap_results(run_distributed(1, _what_a_case_sees))[0]
+    hung = run_distributed(1, _hang, timeout=2)
+    assert hung[0][0] == "error" and "hung" in hung[0][1]
+    third = unwrap_results(run_distributed(1, _what_a_case_sees))[0]
+    assert len({first["pid"], second["pid"], third["pid"]}) == 3  # respawned after each
+    assert len(pool.spawned) - spawned <= 3
+    assert {k: v for k, v in first.items() if k != "pid"} == {k: v for k, v in third.items() if k != "pid"}
