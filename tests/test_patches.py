@@ -363,7 +363,8 @@ def test_a_plain_sp_run_applies_only_what_its_model_needs(family, expected, tmp_
     decoder none: SP attention is registered through transformers' AttentionInterface, no patch)."""
     from tests.harness import run_distributed, unwrap_results
 
-    tables = unwrap_results(run_distributed(2, _sp_run_patches, family, str(tmp_path)))
+    # fresh processes: a pooled world keeps the module-level swaps earlier cases applied
+    tables = unwrap_results(run_distributed(2, _sp_run_patches, family, str(tmp_path), fresh=True))
     assert tables[0] == tables[1]
     labels = {label for label, _, _ in tables[0]}
     assert labels == {"sys.excepthook"} | expected, tables[0]

@@ -47,16 +47,23 @@ def register_exit_hook() -> None:
     """Tear the process groups down at interpreter exit if nobody did (idempotent; call it from every rank)."""
     if os.environ.get("HF_SP_EXIT_HOOK", "1") == "0":  # 0: off (before/after comparisons)
         return
-    patches.patch(  # idempotent: a live patch is returned; one undone since is applied again
+    # Once per process while ours is recorded (a hook someone installed over it since stays theirs); again after an
+    # undo (patches.undo_all).
+    if patches.find(sys, "excepthook") is None:
+        _note_failures()
+    if not _state["registered"]:
+        _state["registered"] = True
+        atexit.register(_at_exit)
+
+
+def _note_failures() -> None:
+    patches.patch(
         sys,
         "excepthook",
         wrap=_noting_failures,
         check=check_hook,
         reason="note an uncaught exception: the exit teardown then skips its barrier (the failing rank exits at once)",
     )
-    if not _state["registered"]:
-        _state["registered"] = True
-        atexit.register(_at_exit)
 
 
 def check_hook(hook) -> None:
