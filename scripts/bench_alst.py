@@ -21,19 +21,19 @@ gradient all-reduce + AdamW), three ways, each in freshly spawned processes (glo
   the cores the ``sp`` ranks share; each rank gets ``cores / sp``).
 
 Per configuration: step time (median of ``--repeats`` after a warm-up step), per-rank peak memory (VmHWM after
-``reset_peak``, glibc told to return freed memory; CUDA: ``max_memory_allocated``) and ``step_mb``, the peak above
-the resident size at the start of the step; collective calls and bytes sent per rank in the warm-up step (a
-``TorchDispatchMode``; it does not see inside custom ops, so ``hf_sp_trainer.all_to_all`` and
-``deepspeed.dim_zero_all_to_all`` are counted as themselves: ``(W-1)/W`` of the input; all-gather: the input ``W-1``
-times; all-reduce: ``2 (W-1)/W`` of it); the loss and the gradients of the warm-up step against the single process
-(``grad_rel``: all parameters as one vector, ``grad_rel_tensor``: the worst tensor; every length starts from the same
-weights). Writes ``alst.csv``, ``alst.json``, ``alst.png``, ``alst.md`` to ``--out``. ``--profile N [N ...]``: one
+``reset_peak``, glibc told to return freed memory; CUDA: ``max_memory_allocated``) and ``step_mb``, the peak above the
+resident size at the start of the step; collective calls and bytes sent per rank in the warm-up step (a
+``TorchDispatchMode``; it does not see inside custom ops, so ``hf_sp_trainer.all_to_all`` (``_packed``: q, k and v in
+one) and ``deepspeed.dim_zero_all_to_all`` are counted as themselves: ``(W-1)/W`` of the input; all-gather: the input
+``W-1`` times; all-reduce: ``2 (W-1)/W`` of it); the loss and the gradients of the warm-up step against the single
+process (``grad_rel``: all parameters as one vector, ``grad_rel_tensor``: the worst tensor; every length starts from the
+same weights). Writes ``alst.csv``, ``alst.json``, ``alst.png``, ``alst.md`` to ``--out``. ``--profile N [N ...]``: one
 profiled step (torch.profiler, CPU) of ours and of ALST at each N tokens; rank 0's top ops by self CPU time, total CPU
 time and self memory, and the copy/fill ops, printed and written to ``profile_*.txt``, and ``profile_floor.md``: each
 method's self CPU time in SP communication (all-to-all / all-gather, forward and backward, waits included) and in
 everything else, and the *floor*, ALST's step without its SP communication over its whole step: the ratio ours / ALST
-would reach if our SP communication cost nothing while the model's own work stayed the same (an all-to-all's self
-time includes waiting for the other rank; on a loaded machine compare calls and bytes rather than times).
+would reach if our SP communication cost nothing while the model's own work stayed the same (an all-to-all's self time
+includes waiting for the other rank; on a loaded machine compare calls and bytes rather than times).
 """
 
 from __future__ import annotations
@@ -54,7 +54,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 SP_METHODS = ("ours", "alst")
 COPY_OPS = tuple(f"aten::{op}" for op in "cat stack clone copy_ contiguous zeros fill_ repeat_interleave add_".split())
-A2A_OPS = ("hf_sp_trainer.all_to_all", "deepspeed.dim_zero_all_to_all", "c10d.alltoall_base_")
+A2A_OPS = (
+    "hf_sp_trainer.all_to_all",
+    "hf_sp_trainer.all_to_all_packed",
+    "deepspeed.dim_zero_all_to_all",
+    "c10d.alltoall_base_",
+)
 
 
 def _sent_bytes(name: str, args) -> int:
@@ -63,7 +68,7 @@ def _sent_bytes(name: str, args) -> int:
     if name == "hf_sp_trainer.all_to_all":  # (x, scatter_dim, gather_dim, group_name)
         world = _resolve_process_group(args[3]).size()
         return args[0].nbytes * (world - 1) // world
-    if name == "deepspeed.dim_zero_all_to_all":  # (x [world, ...], group_name)
+    if name in ("deepspeed.dim_zero_all_to_all", "hf_sp_trainer.all_to_all_packed"):  # (x [world, ...], group_name)
         return args[0].nbytes * (args[0].shape[0] - 1) // args[0].shape[0]
     if name == "c10d.alltoall_base_":  # (output, input, group, output_splits, input_splits, ...)
         world = ProcessGroup.unbox(args[2]).size()
@@ -91,7 +96,7 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func).rsplit(".", 1)[0]
-        if name.startswith("c10d.") or name.endswith("all_to_all"):
+        if name.startswith("c10d.") or name in A2A_OPS:
             self.calls[name] += 1
             self.sent[name] += _sent_bytes(name, args)
         return func(*args, **(kwargs or {}))

@@ -63,7 +63,7 @@ from _bench_common import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 HEAD_DIM, ELEM, ACC = HIDDEN // HEADS, 4, 4
-A2A_OPS = ("hf_sp_trainer.all_to_all", "c10d.alltoall_base_")
+A2A_OPS = ("hf_sp_trainer.all_to_all", "hf_sp_trainer.all_to_all_packed", "c10d.alltoall_base_")
 ATTN_OPS = (*A2A_OPS, "c10d.send", "ring_shift")  # recv_ is counted as received, not sent
 
 
@@ -101,6 +101,8 @@ class CommCounter(TorchDispatchMode):
         if name == "hf_sp_trainer.all_to_all":  # (x, scatter_dim, gather_dim, group_name)
             world = _resolve_process_group(args[3]).size()
             self.sent[name] += args[0].nbytes * (world - 1) // world
+        elif name == "hf_sp_trainer.all_to_all_packed":  # (x [world, ...], group_name): q, k and v in one
+            self.sent[name] += args[0].nbytes * (args[0].shape[0] - 1) // args[0].shape[0]
         elif name == "c10d.alltoall_base_":  # (output, input, group, output_splits, input_splits, ...)
             if args[3] or args[4]:
                 raise NotImplementedError("uneven all-to-all splits")

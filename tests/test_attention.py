@@ -62,7 +62,7 @@ def forward_checks(sp_size):
     from transformers import DataCollatorWithFlattening
 
     from hf_sp_trainer import apply_sequence_parallel
-    from hf_sp_trainer.comm import all_to_all
+    from hf_sp_trainer.comm import all_to_all, all_to_all_many
     from hf_sp_trainer.topology import sp_topology
 
     dist.init_process_group("gloo")
@@ -78,6 +78,19 @@ def forward_checks(sp_size):
     weight = torch.randn_like(y)
     (y * weight).sum().backward()
     out["a2a_grad"] = float((x.grad - all_to_all(weight, 2, 1, group)).abs().max())
+
+    # q, k, v in one collective: each equals its own all-to-all, gradients too, whatever the layout. q and k as
+    # transformers hands them over ([b, h, s, d] views of [b, s, h, d]), GQA's fewer kv heads, MLA's other v size.
+    q = torch.randn(2, 6, 8, 4).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 6, 4, 4).transpose(1, 2).requires_grad_()
+    v = torch.randn(2, 4, 6, 3, requires_grad=True)
+    many = all_to_all_many((q, k, v), 1, 2, group)
+    each = [all_to_all(t, 1, 2, group) for t in (q, k, v)]
+    out["a2a_many"] = max(float((a - b).abs().max()) for a, b in zip(many, each, strict=True))
+    weights = [torch.randn_like(t) for t in each]
+    fused = torch.autograd.grad(sum((a * w).sum() for a, w in zip(many, weights, strict=True)), (q, k, v))
+    plain = torch.autograd.grad(sum((a * w).sum() for a, w in zip(each, weights, strict=True)), (q, k, v))
+    out["a2a_many_grad"] = max(float((a - b).abs().max()) for a, b in zip(fused, plain, strict=True))
 
     packed = DataCollatorWithFlattening(return_position_ids=True)(synthetic_dataset(3, seed=5, max_len=30))
     rows = torch.randint(3, 100, (2, 4 * sp_size + 3))
@@ -121,6 +134,7 @@ def test_all_to_all(sp, checks):
         assert rank_result["a2a_shape"] == [2, 8 // sp, 6 * sp, 4]
         assert rank_result["a2a_roundtrip"] == 0.0
         assert rank_result["a2a_grad"] == 0.0
+        assert rank_result["a2a_many"] == 0.0 and rank_result["a2a_many_grad"] == 0.0
 
 
 @pytest.mark.dist

@@ -52,6 +52,7 @@ CASES = [
 SFT_CASES = [SFTCase("sft_lora_sac_offload_sp2", lora=True, config=SAC | OFFLOAD)]  # TRL checkpoints by default
 ATTENTION_OP = "aten._scaled_dot_product_flash_attention_for_cpu.default"
 ALL_TO_ALL_OP = "hf_sp_trainer.all_to_all.default"
+PACKED_OP = "hf_sp_trainer.all_to_all_packed.default"  # q, k and v in one exchange
 SP_ATTENTION_OP = "hf_sp_trainer.ring_attention.default"  # the block kernels, one op per layer (CPU sdpa)
 
 
@@ -247,7 +248,7 @@ def _recompute_counts(policy: str, out_dir: str) -> dict:
     model.activation_checkpointing_enable()  # as Trainer.train does first; then one micro-step by hand
     inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     forward, backward, grads = _forward_backward(model.train(), inputs)
-    keys = (SP_ATTENTION_OP, ALL_TO_ALL_OP)
+    keys = (SP_ATTENTION_OP, ALL_TO_ALL_OP, PACKED_OP)
     return {"forward": {k: forward[k] for k in keys}, "backward": {k: backward[k] for k in keys}, "grads": grads}
 
 
@@ -267,12 +268,14 @@ def test_sequence_aware_recomputes_no_attention_and_no_all_to_all_sp2(sp_results
     for rank in sp_results:
         print({p: {k: v for k, v in c.items() if k != "grads"} for p, c in rank["counts"].items()})
         full, selective = rank["counts"]["full"], rank["counts"]["sequence_aware"]
-        kernels, exchanges = full["forward"][SP_ATTENTION_OP], full["forward"][ALL_TO_ALL_OP]
-        assert kernels == 2 and exchanges == 4 * 2  # one attention op and q, k, v, out exchanges per layer
+        kernels = full["forward"][SP_ATTENTION_OP]
+        assert kernels == 2 and full["forward"][PACKED_OP] == 2 and full["forward"][ALL_TO_ALL_OP] == 2
+        exchanges = 2 * 2  # per layer one attention op, one exchange of q, k and v, one of the output
         assert full["forward"] == selective["forward"]
         assert full["backward"][SP_ATTENTION_OP] == kernels and selective["backward"][SP_ATTENTION_OP] == 0
         # backward: the gradients' exchanges (the inverse all-to-all), plus the replayed forward ones under full
-        assert full["backward"][ALL_TO_ALL_OP] == 2 * exchanges and selective["backward"][ALL_TO_ALL_OP] == exchanges
+        for counts, expected in ((full, 2 * exchanges), (selective, exchanges)):
+            assert counts["backward"][ALL_TO_ALL_OP] + counts["backward"][PACKED_OP] == expected, counts["backward"]
         assert _max_rel(selective["grads"], full["grads"]) == 0.0
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
-from ..comm import all_to_all
+from ..comm import all_to_all, all_to_all_many
 from ..documents import BOUNDS_KWARG, SP_KWARG, DocumentHook, detach_documents, document_bounds
 from ..model.vlm import encoder_config_keys, image_block_rule, is_multimodal, text_decoder
 from ..sharding import SequenceSharding
@@ -133,7 +133,7 @@ class UlyssesAttention:
         if rep > 1:  # e.g. 2 kv heads on 4 ranks: each rank needs its query heads' kv head
             key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
         query, key, value = autocast_like_sdpa(query, key, value)
-        q, k, v = (all_to_all(t, scatter_dim=1, gather_dim=2, group=group) for t in (query, key, value))
+        q, k, v = all_to_all_many((query, key, value), scatter_dim=1, gather_dim=2, group=group)  # one collective
         # [b, h/U, s/R, d]: this rank's heads over its ring portion (the whole sequence without a ring)
         if blocks is not None or self._uses_blocks(q, kwargs, sinks is not None):  # one op: all documents, the ring
             ring = topo.ring_group if topo.ring_size > 1 else None

@@ -5,6 +5,8 @@ Every buffer handed to a collective is contiguous: gloo silently writes garbage 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _resolve_process_group
@@ -69,6 +71,77 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.P
     if dist.get_world_size(group) == 1:
         return x
     return all_to_all_op(x, scatter_dim, gather_dim, group.group_name)
+
+
+@torch.library.custom_op("hf_sp_trainer::all_to_all_packed", mutates_args=())
+def all_to_all_packed_op(packed: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Row j of ``packed`` (``[P, n]``) goes to rank j; row j of the result came from rank j. Its own inverse, so its
+    gradient is the same op; a dispatcher op like ``all_to_all_op`` (opaque to compile, saveable by selective
+    checkpointing)."""
+    recv = torch.empty_like(packed, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(recv, packed.contiguous(), group=_resolve_process_group(group_name))
+    return recv
+
+
+@all_to_all_packed_op.register_fake
+def _(packed, group_name):
+    return torch.empty_like(packed, memory_format=torch.contiguous_format)
+
+
+def _packed_backward(ctx, grad):
+    return all_to_all_packed_op(grad, ctx.group_name), None
+
+
+def _packed_setup_context(ctx, inputs, output) -> None:
+    ctx.group_name = inputs[1]
+
+
+all_to_all_packed_op.register_autograd(_packed_backward, setup_context=_packed_setup_context)
+
+
+def all_to_all_many(
+    xs: Sequence[torch.Tensor], scatter_dim: int, gather_dim: int, group: dist.ProcessGroup
+) -> list[torch.Tensor]:
+    """``all_to_all`` of each of ``xs`` (Ulysses' q, k and v) in **one** collective, and one in backward.
+
+    Each tensor's chunk for rank j is copied into row j of one ``[P, n_q + n_k + n_v]`` send buffer (one copy, as the
+    single exchange makes), the buffer goes through ``all_to_all_packed_op``, and each tensor is read back from its
+    columns. Shapes may differ beyond ``scatter_dim`` (GQA's kv heads, MLA's value head size); tensors of different
+    dtypes or devices go one collective each. The price of the one launch: the received tensors are copied out of the
+    shared buffer (a tensor's rows are ``n_q + n_k + n_v`` apart there, not its own length).
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return list(xs)
+    if len(xs) == 1 or len({(x.dtype, x.device) for x in xs}) > 1:
+        return [all_to_all(x, scatter_dim, gather_dim, group) for x in xs]
+    chunks = [x.unflatten(scatter_dim, (world, -1)).movedim(scatter_dim, 0) for x in xs]  # chunk j goes to rank j
+    orders = [_copy_order(x, scatter_dim, gather_dim) for x in xs]
+    views = [c.permute(0, *order) for c, order in zip(chunks, orders, strict=True)]
+    sizes = [v[0].numel() for v in views]
+    send = xs[0].new_empty(world, sum(sizes))
+    for view, start, size in zip(views, _starts(sizes), sizes, strict=True):
+        send[:, start : start + size].unflatten(1, view.shape[1:]).copy_(view)
+    recv = all_to_all_packed_op(send, group.group_name)
+    return [
+        _received(recv[:, start : start + size].unflatten(1, view.shape[1:]), order, gather_dim)
+        for view, order, start, size in zip(views, orders, _starts(sizes), sizes, strict=True)
+    ]
+
+
+def _copy_order(x: torch.Tensor, scatter_dim: int, gather_dim: int) -> list[int]:
+    """The order of the chunk dims (``x``'s dims, 1-based after the rank dim) in which ``x`` is copied into the send
+    buffer: its memory order where it is a transpose of these two dims (transformers' ``[b, h, s, d]`` views of
+    ``[b, s, h, d]``), else its logical order. Decided by contiguity, not by sorting strides (that would break a
+    ``torch.compile`` graph: dynamic strides are symbolic)."""
+    order = list(range(1, x.ndim + 1))
+    if not x.is_contiguous() and x.transpose(scatter_dim, gather_dim).is_contiguous():
+        order[scatter_dim], order[gather_dim] = order[gather_dim], order[scatter_dim]
+    return order
+
+
+def _starts(sizes: list[int]) -> list[int]:
+    return [sum(sizes[:i]) for i in range(len(sizes))]
 
 
 def all_gather_along(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
