@@ -301,6 +301,12 @@ def test_installed_versions_are_the_tested_ones() -> None:
         )
         if requirement.name in ("transformers", "trl", "accelerate"):  # the libraries whose internals we use
             assert any(s.operator == "<" for s in requirement.specifier), f"{requirement} has no upper cap"
+    extra = re.search(r'"deepspeed": \["([^"]+)"\]', setup)  # optional, but its internals are used too
+    assert extra, "setup.py has no deepspeed extra"
+    deepspeed = Requirement(extra.group(1))
+    assert any(s.operator == "<" for s in deepspeed.specifier), f"{deepspeed} has no upper cap"
+    installed = importlib.metadata.version("deepspeed").split("+")[0]
+    assert deepspeed.specifier.contains(installed, prereleases=True), f"deepspeed {installed}; setup.py: {deepspeed}"
 
 
 def _our_classes() -> list[type]:
