@@ -302,50 +302,40 @@ def dp_accelerator_view(accelerator, topo):
     return view
 
 
-def check_accelerate_gather(fn) -> None:
-    """TRL's module calls accelerate's own ``gather`` (the whole world's tensors, concatenated in rank order), which
-    the entry calls before keeping one copy per SP group."""
-    from accelerate.utils import gather
+def check_accelerates(name: str, fn) -> None:
+    """TRL's module calls accelerate's own ``gather`` (the whole world's tensors, concatenated in rank order) or
+    ``gather_object`` (every rank's items, in rank order), which the entry calls before keeping one copy per SP
+    group."""
+    import accelerate.utils
 
-    if fn is not gather:
-        raise ValueError(f"TRL's gather is {fn!r}, not accelerate.utils.gather")
-
-
-def check_accelerate_gather_object(fn) -> None:
-    """TRL's module calls accelerate's own ``gather_object`` (every rank's items, in rank order), which the entry calls
-    before keeping one copy per SP group."""
-    from accelerate.utils import gather_object
-
-    if fn is not gather_object:
-        raise ValueError(f"TRL's gather_object is {fn!r}, not accelerate.utils.gather_object")
+    if fn is not getattr(accelerate.utils, name):
+        raise ValueError(f"TRL's {name} is {fn!r}, not accelerate.utils.{name}")
 
 
-def _gather_entry(original):
+def _view_entry(keep_view_share, original):
+    """``original`` (accelerate's gather), then, while a data-parallel view is active, ``keep_view_share`` of what it
+    gathered: one copy per SP group."""
+
     @functools.wraps(original)
-    def gather(tensor):
-        full = original(tensor)
-        return _dp_rows(full, _DP_VIEWS[-1]) if _DP_VIEWS else full
+    def entry(value):
+        full = original(value)
+        return keep_view_share(full, _DP_VIEWS[-1]) if _DP_VIEWS else full
 
-    return gather
-
-
-def _gather_object_entry(original):
-    @functools.wraps(original)
-    def gather_object(obj):
-        full = original(obj)
-        return _dp_items(full, _DP_VIEWS[-1]) if _DP_VIEWS else full
-
-    return gather_object
+    return entry
 
 
 def patch_trl_gathers(module) -> None:
     """Swap ``gather`` / ``gather_object`` of TRL's trainer ``module`` (once) for the data-parallel view's entries."""
     reason = "TRL's online-RL step code sees one copy per SP group while the trainer's data-parallel view is active"
-    for name, entry, check in (
-        ("gather", _gather_entry, check_accelerate_gather),
-        ("gather_object", _gather_object_entry, check_accelerate_gather_object),
-    ):
-        patches.patch(module, name, wrap=entry, check=check, reason=reason, fix="Use the tested TRL, or sp_size=1.")
+    for name, keep_view_share in (("gather", _dp_rows), ("gather_object", _dp_items)):
+        patches.patch(
+            module,
+            name,
+            wrap=functools.partial(_view_entry, keep_view_share),
+            check=functools.partial(check_accelerates, name),
+            reason=reason,
+            fix="Use the tested TRL, or sp_size=1.",
+        )
 
 
 class SPGRPOTrainer(OnlineRLSPMixin, trl.GRPOTrainer):
