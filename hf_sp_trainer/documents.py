@@ -18,11 +18,13 @@ import torch
 
 from .comm import all_gather_along
 from .model.decoder import forward_decoder
+from .model.mixers import attention_without_kwargs
 from .sharding import SequenceSharding, check_sp_padding
 from .topology import SPTopology
 
 BOUNDS_KWARG = "sp_document_bounds"  # the whole sequence's documents, passed by the decoder pre-hook to every layer
 SP_KWARG = "sp_context"  # the SP context of the model being run (a dict; "mixers": its hybrid layers')
+SP_KWARGS_PREFIX = "sp_"  # every kwarg SP passes down the layers (bounds, context, image blocks) starts with it
 _HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> (its DocumentHook, the handles attached)
 
 
@@ -180,6 +182,32 @@ class DocumentHook:
             full = self.sharding.unshard(all_gather_along(position_ids, 1, group))
         self.layout = DocumentLayout.from_position_ids(full)
         kwargs["position_ids"] = position_ids if rope is None else rope
+
+
+def relay_sp_kwargs(decoder: torch.nn.Module) -> list[torch.utils.hooks.RemovableHandle]:
+    """Carry SP's kwargs past every layer of ``decoder`` that calls its attention without ``**kwargs`` (Nemotron's and
+    StableLM's decoder layers): the layer's pre-hook keeps the ``sp_*`` kwargs it received, its attention's pre-hook
+    adds them. Activation checkpointing recomputes the layer with the kwargs of its forward, so a recompute relays
+    the same ones. Returns the hook handles (they go with ``DocumentHook.attach``)."""
+    handles = []
+    for where, parent, child_name in attention_without_kwargs(decoder):
+        kept: dict[str, Any] = {}
+
+        def keep(module, args, kwargs, kept=kept):
+            kept.clear()
+            kept.update({k: v for k, v in kwargs.items() if k.startswith(SP_KWARGS_PREFIX)})
+
+        def add(module, args, kwargs, kept=kept, where=where):
+            if BOUNDS_KWARG not in kept:
+                raise RuntimeError(
+                    f"SP's document bounds didn't reach {where}: its layer was called without them (outside a "
+                    "forward of the model SP was attached to, or by a caller that drops **kwargs)."
+                )
+            return args, {**kwargs, **kept}
+
+        handles.append(parent.register_forward_pre_hook(keep, with_kwargs=True))
+        handles.append(getattr(parent, child_name).register_forward_pre_hook(add, with_kwargs=True))
+    return handles
 
 
 def detach_documents(model: torch.nn.Module) -> None:

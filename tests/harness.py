@@ -26,6 +26,7 @@ FAMILIES = {
     "gemma3": "Gemma3TextConfig",
     "phi3": "Phi3Config",
     "gemma4": "Gemma4TextConfig",  # per-layer head sizes (a heterogeneous config), per-layer embeddings, shared kv
+    "nemotron": "NemotronConfig",  # its decoder layer calls the attention without **kwargs (SP relays its kwargs)
 }
 MOE_FAMILIES = {  # not dense per-token MLPs (tiled_mlp refuses them)
     "mixtral": "MixtralConfig",

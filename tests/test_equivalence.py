@@ -36,6 +36,8 @@ WORLD2 = [
     Case("mistral_sliding_eager", family="mistral", attn="eager", optim="sgd"),
     Case("gemma3", family="gemma3"),
     Case("phi3", family="phi3"),
+    # attention called without **kwargs (SP relays its kwargs past the layer), also through a checkpoint recompute
+    Case("nemotron_grad_ckpt", family="nemotron", optim="sgd", train_overrides={"gradient_checkpointing": True}),
     # ring attention (ulysses 1 x ring 2): packed rows straddle the zigzag chunks, windows, GQA, 1-token documents
     Case("ring2_llama", sp_overrides=RING2),
     Case("ring2_3_heads_auto_split", model_overrides=THREE_HEADS),  # 3 heads: sp 2 can only be a ring

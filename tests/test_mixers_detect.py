@@ -23,10 +23,15 @@ REFUSED = {  # model type, class: what the error must name
     "doge": ("DogeForCausalLM", ["DogeAttention", "computes its own mask"]),
     "deepseek_v32": ("DeepseekV32ForCausalLM", ["DeepseekV32Attention", "top-k selection"]),
     "bert-generation": ("BertGenerationDecoder", ["is_causal=False"]),
-    "phimoe": ("PhimoeForCausalLM", ["sliding window lives only in the mask"]),
-    "nemotron": ("NemotronForCausalLM", ["NemotronDecoderLayer calls without **kwargs"]),
 }
-EXACT = {"llama": "LlamaForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+EXACT = {
+    "llama": "LlamaForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "phimoe": "PhimoeForCausalLM",  # its window lives only in the mask: SP passes it (MASK_ONLY_WINDOWS)
+    "nemotron": "NemotronForCausalLM",  # attention called without **kwargs: SP relays its kwargs past the layer
+    "stablelm": "StableLmForCausalLM",
+}
 
 
 @pytest.mark.parametrize("model_type", list(REFUSED))
@@ -45,6 +50,49 @@ def test_attention_only_models_pass(model_type: str) -> None:
     model = build_model(model_type, EXACT[model_type])
     assert sequence_mixers(model) == []
     check_sequence_mixers(model, 2)
+
+
+def test_attention_kwargs_relayed_only_through_a_layer_that_takes_them() -> None:
+    """Nemotron's decoder layers take ``**kwargs`` but call their attention without them: SP relays its kwargs (a
+    layer called without SP's bounds then fails loudly); a layer taking no ``**kwargs`` at all is refused."""
+    import torch
+
+    from hf_sp_trainer.documents import relay_sp_kwargs
+
+    model = build_model("nemotron", "NemotronForCausalLM")
+    handles = relay_sp_kwargs(forward_decoder(model))
+    assert len(handles) == 2 * model.config.num_hidden_layers  # one on each layer, one on its attention
+    layer = forward_decoder(model).layers[0]
+    hidden = torch.randn(1, 5, model.config.hidden_size)
+    with pytest.raises(RuntimeError, match="bounds didn't reach layers.0.self_attn"):
+        layer(hidden, position_embeddings=forward_decoder(model).rotary_emb(hidden, torch.arange(5)[None]))
+    for handle in handles:
+        handle.remove()
+
+    class NoKwargsLayer(type(layer)):
+        def forward(self, hidden_states, attention_mask=None, position_ids=None, position_embeddings=None):
+            out, _ = self.self_attn(hidden_states=hidden_states, position_embeddings=position_embeddings)
+            return hidden_states + out
+
+    layer.__class__ = NoKwargsLayer
+    with pytest.raises(ValueError, match="NoKwargsLayer calls without \\*\\*kwargs, and NoKwargsLayer takes none"):
+        validate_model_for_sp(model, 2)
+
+
+def test_mask_only_window_is_read_from_the_config() -> None:
+    from hf_sp_trainer.attention.position_rules import WINDOW_MARK, mark_position_rules, module_window
+
+    model = build_model("phimoe", "PhimoeForCausalLM")
+    model.config.sliding_window = 7
+    mark_position_rules(forward_decoder(model), model.config)
+    attentions = [m for m in model.modules() if type(m).__name__ == "PhimoeAttention"]
+    assert attentions and all(module_window(m) == 7 for m in attentions)
+    assert {getattr(m, WINDOW_MARK) for m in forward_decoder(model).modules()} == {7, None}
+    model.config.layer_types = ["full_attention"] * model.config.num_hidden_layers  # per-layer types: not inferred
+    mark_position_rules(forward_decoder(model), model.config)
+    assert all(module_window(m) is None for m in attentions)
+    with pytest.raises(ValueError, match="sliding window lives only in the mask"):
+        validate_model_for_sp(model, 2)
 
 
 COVERED = {  # hybrid models whose mixers SP runs exactly (hf_sp_trainer.mixers.swap): model type -> class, a mixer

@@ -1,7 +1,7 @@
 """What a layer's attention takes from token positions besides the document layout, computed from each token's
 position in its document (the whole sequence's), not from the shard's row index.
 
-Two rules, both Llama-4's (found by config and module attributes, not by family name):
+Two rules, both Llama-4's (found by config and module attributes, not by family name), and a window:
 
 - **Chunked attention** (``layer_types`` entry ``"chunked_attention"``, ``attention_chunk_size`` C): a token sees
   the earlier tokens of its own C-token chunk only, chunks counted from its document's start (transformers' mask
@@ -11,6 +11,9 @@ Two rules, both Llama-4's (found by config and module attributes, not by family 
   ``1 + attn_scale * log1p(floor((p + 1) / floor_scale))``. transformers computes ``p`` as
   ``arange(local length)``, the row index of the shard it sees; one device sees each document from 0. SP rescales
   the query it receives by ``t(position in the document) / t(row index)``, an exact 1 wherever both agree.
+- **A window only in the mask** (PhiMoE: ``config.sliding_window`` reaches only the mask SP drops;
+  ``model.mixers.MASK_ONLY_WINDOWS``): the module is marked with it, and SP's attention passes it on as the
+  ``sliding_window`` of the module's own layers (Qwen2-MoE's form).
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from __future__ import annotations
 import torch
 
 from ..documents import DocumentLayout
+from ..model.mixers import mask_only_window
 
 CHUNK_MARK = "_hf_sp_attention_chunk"  # on the modules of chunked-attention layers: the chunk size
 TEMPERATURE_MARK = "_hf_sp_nope_temperature"  # on NoPE attention modules with temperature tuning: (floor, scale)
+WINDOW_MARK = "_hf_sp_mask_window"  # on attention modules whose window the model applies only in its mask
 CHUNKED_LAYER = "chunked_attention"
 
 
@@ -46,10 +51,16 @@ def position_rules(decoder: torch.nn.Module, config) -> dict[torch.nn.Module, tu
 
 
 def mark_position_rules(decoder: torch.nn.Module, config) -> None:
-    """Mark ``decoder``'s modules with the rules of ``position_rules``."""
+    """Mark ``decoder``'s modules with the rules of ``position_rules`` and their mask-only windows."""
     for m, (chunk, temperature) in position_rules(decoder, config).items():
         setattr(m, CHUNK_MARK, chunk)
         setattr(m, TEMPERATURE_MARK, temperature)
+        setattr(m, WINDOW_MARK, mask_only_window(m, config))
+
+
+def module_window(module: torch.nn.Module) -> int | None:
+    """The sliding window of ``module``'s attention: its own attribute, else the one its model's mask applies."""
+    return getattr(module, "sliding_window", None) or getattr(module, WINDOW_MARK, None)
 
 
 def _temperature_of(module: torch.nn.Module, name: str) -> tuple[float, float] | None:

@@ -18,13 +18,20 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
 from ..comm import all_to_all, all_to_all_many
-from ..documents import BOUNDS_KWARG, SP_KWARG, DocumentHook, detach_documents, document_bounds
+from ..documents import BOUNDS_KWARG, SP_KWARG, DocumentHook, detach_documents, document_bounds, relay_sp_kwargs
 from ..model.vlm import encoder_config_keys, image_block_rule, is_multimodal, text_decoder
 from ..sharding import SequenceSharding
 from ..sharding.image_blocks import IMAGE_BLOCKS_KWARG, IMAGE_BLOCKS_MARK, mark_image_block_layers
 from ..topology import SPTopology
 from .kernels import is_varlen_kernel, resolve_kernel, run_kernel
-from .position_rules import CHUNK_MARK, WholeSequenceRope, chunk_layout, mark_position_rules, retune_temperature
+from .position_rules import (
+    CHUNK_MARK,
+    WholeSequenceRope,
+    chunk_layout,
+    mark_position_rules,
+    module_window,
+    retune_temperature,
+)
 from .ring import autocast_like_sdpa, ring_attention
 
 ULYSSES_KEY = "ulysses_sp"  # must contain neither "flash" nor "sdpa": those trigger special loading paths
@@ -92,7 +99,7 @@ class UlyssesAttention:
     def registered(self, module, query, key, value, attention_mask, **kwargs):
         """The function under ``self.key``: the output contiguous, as transformers' own kernels return it (the
         inverse all-to-all gives a strided view; JetMoE and AfMoE ``.view`` it), and the module's own
-        ``sliding_window`` passed where the model puts it only in the mask SP drops (Qwen2-MoE)."""
+        ``sliding_window`` passed where the model puts it only in the mask SP drops (Qwen2-MoE, PhiMoE)."""
         kwargs.pop(SP_KWARG, None)  # the hybrid mixers' context: not the inner kernels' business
         if not getattr(module, DECODER_MARK, False):  # e.g. a VLM's vision tower reached by a shared sub-config key
             raise RuntimeError(
@@ -101,8 +108,8 @@ class UlyssesAttention:
             )
         if kwargs.get(BOUNDS_KWARG) is None or self.documents.layout is None:
             raise RuntimeError("SP attention was called outside a forward of the model it was attached to.")
-        if "sliding_window" not in kwargs and getattr(module, "sliding_window", None):  # an explicit None stays
-            kwargs["sliding_window"] = module.sliding_window
+        if "sliding_window" not in kwargs and module_window(module):  # an explicit None stays
+            kwargs["sliding_window"] = module_window(module)
         out, weights = self(module, query, key, value, attention_mask, **kwargs)
         return out.contiguous(), weights
 
@@ -184,7 +191,8 @@ class UlyssesAttention:
         mark_image_block_layers(text_decoder(model), image_block_rule(model))
         mark_position_rules(text_decoder(model), model.config.get_text_config())
         rope = WholeSequenceRope(self.topology.sp_group).attach(text_decoder(model))  # dynamic NTK, longrope
-        self.documents.attach(model, *rope)  # replaces an earlier attach (e.g. a second trainer on the same model)
+        relays = relay_sp_kwargs(text_decoder(model))  # Nemotron, StableLM: attention called without **kwargs
+        self.documents.attach(model, *rope, *relays)  # replaces an earlier attach (e.g. a second trainer on it)
 
     def detach(self, model: PreTrainedModel) -> None:
         """Undo ``attach``: the model's attention is the inner kernel again, run on the local tokens only."""

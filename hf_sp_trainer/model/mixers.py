@@ -58,6 +58,11 @@ DECODE_ONLY_KERNELS = (
 )
 # Names of functions that mix the sequence (a mixer calling one not in SP_KERNELS is not covered).
 MIXING_FUNCTION = re.compile(r"conv|delta|scan|selective|recurren|lightning|ssd|wkv|lstm|mamba|rglru", re.I)
+# Attention classes whose model applies ``config.<field>`` as a sliding window to every layer through its mask alone
+# (the module neither holds nor passes it: PhiMoE builds its mask with ``create_sliding_window_causal_mask`` when
+# ``config.sliding_window`` is set). SP gives that window to the attention itself (``mask_only_window``); the family
+# suite crosses the window under its rows, so a modeling change that breaks this fact fails there.
+MASK_ONLY_WINDOWS = {"PhimoeAttention": "sliding_window"}
 HYBRID_ADVICE = (
     "Use sp_size=1 for this model (hf_sp_trainer.mixers runs Gated DeltaNet, Kimi delta attention, Mamba2, short "
     "convolutions and MiniMax's lightning attention exactly under SP; this layer is none of those)."
@@ -85,6 +90,8 @@ def sequence_mixers(model: torch.nn.Module) -> list[tuple[str, str, str]]:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "sliding_window", None):  # a window SP must be told: by a kwarg or the module's attribute
         for name, module in model.named_modules():
+            if mask_only_window(module, text) is not None:
+                continue  # SP passes the window the model's mask applies (MASK_ONLY_WINDOWS)
             if _calls_attention(type(module)) and getattr(module, "sliding_window", None) is None:
                 if "sliding_window" not in inspect.getsource(type(module)) and _may_slide(type(module)):
                     what = "an attention whose sliding window lives only in the mask SP drops"
@@ -97,6 +104,16 @@ def sequence_mixers(model: torch.nn.Module) -> list[tuple[str, str, str]]:
             if isinstance(kind, str) and MIXER_TYPE.search(kind) and not exact:
                 found.append((f"config.{field}[{i}]", kind, "a non-attention layer type"))
     return found
+
+
+def mask_only_window(module: torch.nn.Module, text_config) -> int | None:
+    """The sliding window ``module``'s model applies to it through the mask alone (``MASK_ONLY_WINDOWS``), else None.
+    Only for a config without per-layer types: with them, which layers slide is the mask's per-type choice."""
+    field = MASK_ONLY_WINDOWS.get(type(module).__name__)
+    if field is None or getattr(text_config, "layer_types", None):
+        return None
+    window = getattr(text_config, field, None)
+    return window if isinstance(window, int) and window > 0 else None
 
 
 def uses_attention_registry(model: torch.nn.Module) -> bool:
@@ -192,8 +209,10 @@ def check_sequence_mixers(model: torch.nn.Module, sp_size: int) -> None:
         )
 
 
-def _attention_without_kwargs(model: torch.nn.Module) -> list[tuple[str, str, str]]:
-    """Attention modules whose caller doesn't pass ``**kwargs`` on: SP's document bounds would never reach them."""
+def attention_without_kwargs(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str]]:
+    """``(path, parent, attribute)`` of every attention module its parent calls without passing ``**kwargs`` on
+    (Nemotron's and StableLM's decoder layers): SP's kwargs reach such an attention only through
+    ``documents.relay_sp_kwargs``, which needs the parent itself to take ``**kwargs``."""
     found = []
     for parent_name, parent in model.named_modules():
         for child_name, child in parent.named_children():
@@ -201,10 +220,28 @@ def _attention_without_kwargs(model: torch.nn.Module) -> list[tuple[str, str, st
                 continue
             call = _self_call(type(parent), child_name)
             if call is not None and not any(k.arg is None for k in call.keywords):
-                where = f"{parent_name}.{child_name}".lstrip(".")
-                what = f"an attention {type(parent).__name__} calls without **kwargs (SP's bounds can't reach it)"
-                found.append((where, type(child).__name__, what))
+                found.append((f"{parent_name}.{child_name}".lstrip("."), parent, child_name))
     return found
+
+
+def _attention_without_kwargs(model: torch.nn.Module) -> list[tuple[str, str, str]]:
+    """Attention modules SP's kwargs can't reach: called without ``**kwargs`` by a parent that takes none either."""
+    found = []
+    for where, parent, child_name in attention_without_kwargs(model):
+        if not takes_var_kwargs(type(parent)):
+            name = type(parent).__name__
+            what = f"an attention {name} calls without **kwargs, and {name} takes none (SP's bounds can't reach it)"
+            found.append((where, type(getattr(parent, child_name)).__name__, what))
+    return found
+
+
+def takes_var_kwargs(cls: type) -> bool:
+    """``cls.forward`` accepts ``**kwargs``."""
+    try:
+        parameters = inspect.signature(cls.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
 
 @cache
