@@ -98,20 +98,36 @@ class DocumentHook:
         self.context: dict[str, Any] = {}  # what this model's layers find under SP_KWARG
         self.layout: DocumentLayout | None = None
         self.positions: torch.Tensor | None = None
+        self.outer_positions: torch.Tensor | None = None  # the model's own position_ids during its forward
 
     def attach(self, model: torch.nn.Module, *extra: torch.utils.hooks.RemovableHandle) -> None:
         """Register on ``model``'s decoder, replacing what an earlier ``attach`` left there (``extra``: handles that
         go with it, e.g. rope hooks)."""
         decoder = forward_decoder(model)
         detach_documents(model)
-        _HOOKS[decoder] = (self, [decoder.register_forward_pre_hook(self, with_kwargs=True), *extra])
+        handles = [decoder.register_forward_pre_hook(self, with_kwargs=True), *extra]
+        if decoder is not model:  # the model may drop what it was given (Mamba2ForCausalLM: position_ids)
+            handles.append(model.register_forward_pre_hook(self._outer_call, with_kwargs=True))
+            handles.append(model.register_forward_hook(self._outer_done, always_call=True))
+        _HOOKS[decoder] = (self, handles)
+
+    def _outer_call(self, module, args, kwargs) -> None:
+        self.outer_positions = kwargs.get("position_ids")
+
+    def _outer_done(self, module, args, output) -> None:
+        self.outer_positions = None
+
+    def _position_ids(self, kwargs) -> torch.Tensor | None:
+        """The decoder's ``position_ids``, else those its model was called with and didn't pass on."""
+        positions = kwargs.get("position_ids")
+        return self.outer_positions if positions is None else positions
 
     def __call__(self, module, args, kwargs):
         if self.topology is None:
             if BOUNDS_KWARG in kwargs or kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
                 return None  # under SP (an SP hook gave the bounds), or decoding
             tokens = _tokens(args, kwargs)
-            positions = kwargs.get("position_ids")
+            positions = self._position_ids(kwargs)
             if positions is None:
                 positions = torch.arange(tokens.shape[1], device=tokens.device)
             self.positions = positions.expand(tokens.shape[0], -1)
@@ -161,7 +177,7 @@ class DocumentHook:
                 f"Sequence-parallel shards of {local_len} tokens make a sequence of {full_len}, not a multiple of "
                 f"{self.sharding.multiple} (2 x sp_size with a ring); pad the batch with SequenceSharding.shard_batch."
             )
-        position_ids = kwargs.get("position_ids")
+        position_ids = self._position_ids(kwargs)
         rope = None  # multimodal rotary positions [4, b, s/P]: documents come from the text row, the rest passes on
         if position_ids is not None and position_ids.ndim == 3:
             if position_ids.shape[0] != 4:

@@ -44,6 +44,7 @@ HYBRID_FAMILIES = {
     "lfm2": "Lfm2Config",  # gated short convolutions and attention
     "granitemoehybrid": "GraniteMoeHybridConfig",  # Granite-4.0-H: Mamba2 and attention, MoE
     "minimax": "MiniMaxConfig",  # lightning (decayed linear) attention and full attention, MoE
+    "mamba2": "Mamba2Config",  # pure Mamba2, no attention (sp_size 1 only); its CausalLM drops position_ids
 }
 # Families whose transformers forward of a position_ids-packed row differs from each document alone (hybrid layers'
 # state leaks; Llama-4's NoPE temperature counts the row index): their references train on right-padded rows.
@@ -67,6 +68,7 @@ MLA = dict(
     n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32, n_group=1, topk_group=1, **MOE,
 )  # fmt: skip
 FAMILY_OVERRIDES = {
+    "mamba2": dict(num_heads=8, head_dim=16, n_groups=1, state_size=16, expand=2, chunk_size=8),
     "gpt_oss": dict(
         num_local_experts=4,
         sliding_window=12,
