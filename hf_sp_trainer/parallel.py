@@ -22,7 +22,7 @@ from .comm import all_gather_along
 from .losses.router import RouterLoss, sp_router_loss
 from .mixers.swap import attach_mixers, check_mixer_kernels, check_state_passing
 from .model.decoder import decoder_layers
-from .model.heads import head_counts
+from .model.heads import attention_shapes, head_counts
 from .model.vlm import is_multimodal
 from .multimodal.features import MediaFeatures
 from .sharding import SequenceSharding
@@ -126,11 +126,17 @@ def apply_sequence_parallel(
     router_loss = sp_router_loss(model, topology.sp_group)
     media = MediaFeatures(model, topology, sharding, split_media) if is_multimodal(model) else None
     if topology.rank == 0:
-        heads, kv_heads = head_counts(model.config)
         logger.info(
-            f"Sequence parallelism: sp_size={sp_size} = ulysses {ulysses} x ring {ring} for {heads} query / "
-            f"{kv_heads} kv heads, kernel {kernel!r}, {topology.dp_size} data-parallel group(s)."
+            f"Sequence parallelism: sp_size={sp_size} = ulysses {ulysses} x ring {ring} for {_heads(model)}, kernel "
+            f"{kernel!r}, {topology.dp_size} data-parallel group(s)."
         )
     return SequenceParallel(
         model=model, topology=topology, sharding=sharding, attention=attention, router_loss=router_loss, media=media
     )
+
+
+def _heads(model: PreTrainedModel) -> str:
+    if not attention_shapes(model.config):
+        return "no attention heads (a state-space model: the sequence split only)"
+    heads, kv_heads = head_counts(model.config)
+    return f"{heads} query / {kv_heads} kv heads"

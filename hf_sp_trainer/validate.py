@@ -11,7 +11,7 @@ from .attention.block_attention import check_kernel
 from .attention.position_rules import position_rules
 from .attention.ulysses import VARLEN_KEY, is_sp_key
 from .model.heads import attention_shapes, head_counts
-from .model.mixers import check_sequence_mixers, uses_attention_registry
+from .model.mixers import check_sequence_mixers, covered_mixers, uses_attention_registry
 from .model.vlm import check_multimodal, text_decoder, uses_image_blocks
 from .topology import split_sp_size
 
@@ -32,11 +32,13 @@ def validate_model_for_sp(
     check_sequence_mixers(text_decoder(model), sp_size)  # a VLM's encoders keep their own kernels
     position_rules(text_decoder(model), model.config.get_text_config())  # Llama-4's chunks and NoPE temperature
     shapes = attention_shapes(model.config)
-    if not shapes:  # a pure state-space model (Mamba2ForCausalLM)
-        raise ValueError(
-            f"{name} has no attention heads: hf_sp_trainer splits sp_size over them (sp_size={sp_size}); SP for models "
-            "without attention is not supported yet. Use sp_size=1 for this model."
-        )
+    if not shapes:  # a pure state-space model (Mamba2ForCausalLM): no heads to split, only the sequence
+        if not covered_mixers(text_decoder(model)):
+            raise ValueError(
+                f"{name} has neither attention heads nor a sequence mixer SP runs exactly (sp_size={sp_size}). Use "
+                "sp_size=1 for this model."
+            )
+        return split_sp_size(sp_size, sp_size, ring_size)  # contiguous shards (zigzag ones with a ring)
     for i, shape in enumerate(shapes):
         if shape.heads % shape.kv_heads:
             raise ValueError(

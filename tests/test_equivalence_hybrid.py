@@ -33,12 +33,15 @@ WORLD2 = [
     Case("relay_granite4h_mamba2", family="granitemoehybrid", sp_overrides=RELAY, **SGD),
     Case("minimax_lightning_sgd_ga2", family="minimax", grad_accum=2, **SGD),  # lightning attention + MoE
     Case("ring2_minimax_lightning", family="minimax", sp_overrides=RING2, **SGD),
+    Case("mamba2_pure_sgd_ga2", family="mamba2", attn="eager", grad_accum=2, **SGD),  # no attention: sequence only
+    Case("ring2_mamba2_pure", family="mamba2", attn="eager", sp_overrides=RING2, **SGD),  # zigzag shards
 ]
 WORLD4 = [
     Case("sp4_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, **SGD),  # a document over >= 3 ranks
     Case("hybrid2x2_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, sp_overrides=RING2, **SGD),
     Case("dp2sp2_lfm2_short_conv", family="lfm2", sp_size=2, world_size=4, **SGD),
     Case("sp4_minimax_lightning", family="minimax", sp_size=4, world_size=4, **SGD),
+    Case("sp4_mamba2_pure", family="mamba2", attn="eager", sp_size=4, world_size=4, **SGD),
     Case("relay_hybrid2x2_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, sp_overrides=RING2 | RELAY, **SGD),
 ]
 

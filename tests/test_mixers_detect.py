@@ -4,6 +4,7 @@ fast, in one process, no collective (the refusal comes before any)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hf_sp_trainer.mixers import check_sequence_mixers, sequence_mixers
 from hf_sp_trainer.model.decoder import forward_decoder
@@ -155,8 +156,9 @@ def test_use_kernels_refused() -> None:
         check_mixer_kernels(model)
 
 
-def test_pure_mamba2_refused_clearly() -> None:
-    """Mamba2ForCausalLM's mixers are covered, but it has no attention heads to split sp_size over: a ValueError."""
+def test_pure_mamba2_splits_the_sequence_only() -> None:
+    """Mamba2ForCausalLM has no attention heads: sp_size splits the sequence only (Ulysses degree = sp_size:
+    contiguous shards; a ring: zigzag ones). Without its covered mixers, it is refused."""
     from transformers import Mamba2Config, Mamba2ForCausalLM
 
     config = Mamba2Config(
@@ -171,5 +173,9 @@ def test_pure_mamba2_refused_clearly() -> None:
     )
     model = Mamba2ForCausalLM(config)
     assert {type(model.get_submodule(c)).__name__ for c in covered_mixers(model)} == {"Mamba2Mixer"}
-    with pytest.raises(ValueError, match="no attention heads"):
+    assert validate_model_for_sp(model, 4) == (4, 1)
+    assert validate_model_for_sp(model, 4, ring_size=2) == (2, 2)
+    for layer in model.backbone.layers:
+        layer.mixer = torch.nn.Linear(32, 32)  # no mixer SP runs, no attention
+    with pytest.raises(ValueError, match="sp_size=1"):  # refused before any collective
         validate_model_for_sp(model, 2)

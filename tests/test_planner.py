@@ -275,6 +275,11 @@ def test_unmodeled_hybrid_layers_are_refused(model_type):
         ModelShape.from_config(tiny_config(model_type))
 
 
+def test_pure_state_space_models_are_refused():
+    with pytest.raises(ValueError, match="Mamba2Config has no attention heads .* no count for it"):
+        ModelShape.from_config(transformers.Mamba2Config(num_heads=4, head_dim=16, hidden_size=32, expand=2))
+
+
 def test_hybrid_shape_and_parameters():
     config = transformers.Qwen3_5TextConfig(**QWEN35_TINY)
     m = ModelShape.from_config(config)

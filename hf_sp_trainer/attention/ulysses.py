@@ -19,6 +19,7 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from ..comm import all_to_all, all_to_all_many
 from ..documents import BOUNDS_KWARG, SP_KWARG, DocumentHook, detach_documents, document_bounds, relay_sp_kwargs
+from ..model.heads import attention_shapes
 from ..model.vlm import encoder_config_keys, image_block_rule, is_multimodal, text_decoder
 from ..sharding import SequenceSharding
 from ..sharding.image_blocks import IMAGE_BLOCKS_KWARG, IMAGE_BLOCKS_MARK, mark_image_block_layers
@@ -182,10 +183,11 @@ class UlyssesAttention:
     # -- wiring into a model ----------------------------------------------------------------------------------
     def attach(self, model: PreTrainedModel) -> None:
         """Route ``model``'s attention through this backend and gather document boundaries once per forward."""
-        # transformers validates the inner kernel (installed, GPU, ...); torch's varlen is ours, with sdpa's setup
-        model.set_attn_implementation(_text_only(model, self._inner_key))
-        AttentionInterface.register(self.key, self.registered)
-        model.set_attn_implementation(_text_only(model, self.key))
+        if attention_shapes(model.config):  # else a pure state-space model: documents and mixers only
+            # transformers validates the inner kernel (installed, GPU, ...); torch's varlen is ours, with sdpa's setup
+            model.set_attn_implementation(_text_only(model, self._inner_key))
+            AttentionInterface.register(self.key, self.registered)
+            model.set_attn_implementation(_text_only(model, self.key))
         for m in text_decoder(model).modules():
             setattr(m, DECODER_MARK, True)
         mark_image_block_layers(text_decoder(model), image_block_rule(model))
@@ -197,8 +199,9 @@ class UlyssesAttention:
     def detach(self, model: PreTrainedModel) -> None:
         """Undo ``attach``: the model's attention is the inner kernel again, run on the local tokens only."""
         detach_documents(model)
-        model.set_attn_implementation(_text_only(model, self._inner_key))
-        AttentionInterface.register(self.key, _detached)  # the registry no longer holds this attention
+        if attention_shapes(model.config):
+            model.set_attn_implementation(_text_only(model, self._inner_key))
+            AttentionInterface.register(self.key, _detached)  # the registry no longer holds this attention
 
     @property
     def _inner_key(self) -> str:

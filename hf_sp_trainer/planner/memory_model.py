@@ -88,7 +88,12 @@ class ModelShape:
                 f"{name or type(text).__name__} sets {sorted(text.per_layer_attributes)} per layer (per_layer_config); "
                 "the memory model takes one shape for every layer. Measure such a model with scripts/bench_memory.py."
             )
-        heads = text.num_attention_heads
+        heads = getattr(text, "num_attention_heads", None)
+        if not heads:
+            raise ValueError(
+                f"{name or type(text).__name__} has no attention heads (a pure state-space model): the memory model "
+                "has no count for it. Measure such a model with scripts/bench_memory.py."
+            )
         kinds = list(getattr(text, "layer_types", None) or [])
         if not getattr(text, "intermediate_size", None):
             raise ValueError(f"{name or type(text).__name__}: no intermediate_size (only dense decoder-only models).")
