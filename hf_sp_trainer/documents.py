@@ -5,7 +5,9 @@
 the ``position_ids`` of the whole rows (gathered over the SP group; at sp_size 1 the local rows) and passes down to
 every layer the bounds (``BOUNDS_KWARG``) and, for hybrid models, the model's own mixer context (``SP_KWARG``), so
 that the swapped kernels, shared by every model of a family, serve the model being run, not a process global. (The
-attention needs no such kwarg: each model's is registered under a key of its own.)
+attention needs no such kwarg: each model's is registered under a key of its own.) Where the model drops the
+``position_ids`` it was called with (``Mamba2ForCausalLM``), the hook takes the model's own; where a layer calls its
+attention without ``**kwargs`` (Nemotron, StableLM), ``relay_sp_kwargs`` carries SP's kwargs past it.
 """
 
 from __future__ import annotations
