@@ -13,6 +13,7 @@ attention without ``**kwargs`` (Nemotron, StableLM), ``relay_sp_kwargs`` carries
 from __future__ import annotations
 
 import weakref
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,9 @@ BOUNDS_KWARG = "sp_document_bounds"  # the whole sequence's documents, passed by
 SP_KWARG = "sp_context"  # the SP context of the model being run (a dict; "mixers": its hybrid layers')
 SP_KWARGS_PREFIX = "sp_"  # every kwarg SP passes down the layers (bounds, context, image blocks) starts with it
 _HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> (its DocumentHook, the handles attached)
+# The ``sp_*`` kwargs of the decoders being run, innermost last (``DocumentHook``): call-scoped, not a model's state
+# (each entry is what its own model's decoder pre-hook passed down).
+_SCOPE: ContextVar[tuple[dict[str, Any], ...]] = ContextVar("sp_scope", default=())
 
 
 @dataclass
@@ -107,7 +111,11 @@ class DocumentHook:
         go with it, e.g. rope hooks)."""
         decoder = forward_decoder(model)
         detach_documents(model)
-        handles = [decoder.register_forward_pre_hook(self, with_kwargs=True), *extra]
+        handles = [
+            decoder.register_forward_pre_hook(self, with_kwargs=True),
+            decoder.register_forward_hook(_leave_scope, always_call=True),
+            *extra,
+        ]
         if decoder is not model:  # the model may drop what it was given (Mamba2ForCausalLM: position_ids)
             handles.append(model.register_forward_pre_hook(self._outer_call, with_kwargs=True))
             handles.append(model.register_forward_hook(self._outer_done, always_call=True))
@@ -125,6 +133,15 @@ class DocumentHook:
         return self.outer_positions if positions is None else positions
 
     def __call__(self, module, args, kwargs):
+        """Pass the documents down (and enter the SP scope: ``scoped_sp_kwargs``, left by the decoder's forward
+        hook)."""
+        _SCOPE.set((*_SCOPE.get(), {}))  # entered first: the forward hook leaves it even if this raises
+        passed = self._pass_down(args, kwargs)
+        kept = {k: v for k, v in kwargs.items() if k.startswith(SP_KWARGS_PREFIX)}
+        _SCOPE.set((*_SCOPE.get()[:-1], kept))
+        return passed
+
+    def _pass_down(self, args, kwargs):
         if self.topology is None:
             if BOUNDS_KWARG in kwargs or kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
                 return None  # under SP (an SP hook gave the bounds), or decoding
@@ -228,6 +245,28 @@ def relay_sp_kwargs(decoder: torch.nn.Module) -> list[torch.utils.hooks.Removabl
     return handles
 
 
+def current_scope() -> tuple[dict[str, Any], ...]:
+    """The SP kwargs of the decoders being run (``DocumentHook``), innermost last: what ``run_in_scope`` restores."""
+    return _SCOPE.get()
+
+
+def scoped_sp_kwargs() -> dict[str, Any]:
+    """The ``sp_*`` kwargs the innermost decoder being run passed down to its layers (empty outside one): how a
+    kernel called without ``**kwargs`` (Mamba1's selective scan; every layer of ``MambaModel``) finds them."""
+    scope = _SCOPE.get()
+    return scope[-1] if scope else {}
+
+
+def run_in_scope(scope: tuple[dict[str, Any], ...], function, *args, **kwargs):
+    """``function(*args, **kwargs)`` with ``scope`` (a ``current_scope()`` taken earlier) as the SP scope: an
+    activation-checkpoint recompute, run in the backward outside any decoder forward, sees the scope of its forward."""
+    token = _SCOPE.set(scope)
+    try:
+        return function(*args, **kwargs)
+    finally:
+        _SCOPE.reset(token)
+
+
 def detach_documents(model: torch.nn.Module) -> None:
     """Remove what ``DocumentHook.attach`` registered on ``model``'s decoder (nothing if it registered nothing)."""
     _, handles = _HOOKS.pop(forward_decoder(model), (None, []))
@@ -238,6 +277,10 @@ def detach_documents(model: torch.nn.Module) -> None:
 def attached_documents(model: torch.nn.Module) -> DocumentHook | None:
     """The ``DocumentHook`` attached to ``model``'s decoder (its SP, or its documents kept apart), if any."""
     return _HOOKS.get(forward_decoder(model), (None, []))[0]
+
+
+def _leave_scope(module, args, output) -> None:
+    _SCOPE.set(_SCOPE.get()[:-1])
 
 
 def _tokens(args, kwargs) -> torch.Tensor:

@@ -6,7 +6,8 @@ transition ``M``), with the gradient reaching the initial state; and the causal 
 the ``W - 1`` inputs before it prepended. Each case splits one document at ``split``, runs the SP algorithm on the
 device's kernels (flash-linear-attention / causal-conv1d when installed: transformers' hub wrappers pick them),
 and compares output, final state and input gradients with the unsplit call on the same device; the unsplit call is
-also compared with the CPU fp32 torch kernel. fp32 with TF32 off and on, bf16.
+also compared with the CPU fp32 torch kernel. Mamba1's selective scan (mamba-ssm's CUDA ``selective_scan_fn`` when
+installed) takes no initial state: its split adds the closed-form correction SP uses. fp32 with TF32 off and on, bf16.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def _delta_rule_case(core, kda: bool, device, dtype, sizes) -> dict[str, float]:
     opts = dict(use_qk_l2norm_in_kernel=True)
 
     def run(dev, dt):
-        inputs = [t.to(dev, dt).requires_grad_() for t in (q, k, v, g, beta)]
+        inputs = [t.to(dev, dt, copy=True).requires_grad_() for t in (q, k, v, g, beta)]
         return inputs
 
     cpu = run("cpu", torch.float32)
@@ -73,8 +74,49 @@ def _conv_case(conv, device, dtype, sizes) -> dict[str, float]:
     return {"vs_cpu_fp32": _rel(full, ref_cpu), "split_out": _rel(halo, full[:, :, split:])}
 
 
+def _selective_case(scan, device, dtype, sizes) -> dict[str, float]:
+    """Mamba1: a document split at ``split``; the rest scanned from zero plus the closed-form correction of the state
+    it continues from (``selective_scan.state_output``), against the unsplit scan (output, final state, gradients)."""
+    from hf_sp_trainer.mixers.selective_scan import discretised_steps, state_output
+
+    total, split, d, n_state = min(sizes[0], 2048), min(sizes[1], 1300), sizes[2] * sizes[4] * 4, 16
+    gen = torch.Generator().manual_seed(0)
+    u, delta, z = (torch.randn(1, d, total, generator=gen) for _ in range(3))
+    A = -torch.rand(d, n_state, generator=gen) * 0.2
+    B, C = (torch.randn(1, n_state, total, generator=gen) for _ in range(2))
+    D, bias = torch.randn(d, generator=gen), torch.randn(d, generator=gen) * 0.1 - 2
+    probe = torch.randn(1, d, total, generator=gen)
+
+    def run(dev, dt):
+        return [t.to(dev, dt, copy=True).requires_grad_() for t in (u, delta, B, C, z)]
+
+    def call(x, dt_, b, c, z_, last: bool):
+        return scan(x, dt_, A.to(x.device), b, c, D=D.to(x.device), z=z_, delta_bias=bias.to(x.device),
+                    delta_softplus=True, return_last_state=last)  # fmt: skip
+
+    ref_cpu, _ = call(*run("cpu", torch.float32), True)
+    full_in = run(device, dtype)
+    full, final = call(*full_in, True)
+    (full.float() * probe.to(device)).sum().backward()
+    parts = run(device, dtype)
+    out1, state = call(*(t[..., :split] for t in parts), True)
+    rest = [t[..., split:] for t in parts]
+    out2, last2 = call(*rest, True)
+    steps = discretised_steps(rest[1], bias.to(device), True)
+    gate = torch.nn.functional.silu(rest[4].float())
+    out2 = out2 + (state_output(A.to(device), steps, rest[3], state.float()) * gate).to(out2.dtype)
+    got_final = torch.exp(A.to(device)[None] * steps.sum(-1)[..., None]) * state.float() + last2.float()
+    got = torch.cat([out1, out2], -1)
+    (got.float() * probe.to(device)).sum().backward()
+    result = {"vs_cpu_fp32": _rel(full, ref_cpu), "split_out": _rel(got, full), "split_final": _rel(got_final, final)}
+    for name, a, b in zip(("u", "delta", "B", "C", "z"), parts, full_in, strict=True):
+        result[f"split_d{name}"] = _rel(a.grad, b.grad)
+    return result
+
+
 def hybrid_checks(device: torch.device, dry: bool) -> dict[str, Any]:
     """Every case: ``{name: max_rel figures}`` (or the error), with which kernels transformers picked."""
+    from transformers.models.jamba import modeling_jamba as jamba
     from transformers.models.kimi_linear import modeling_kimi_linear as kimi
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
@@ -83,6 +125,7 @@ def hybrid_checks(device: torch.device, dry: bool) -> dict[str, Any]:
     out: dict[str, Any] = {
         "fla": importlib.util.find_spec("fla") is not None,
         "causal_conv1d": importlib.util.find_spec("causal_conv1d") is not None,
+        "mamba_ssm": importlib.util.find_spec("mamba_ssm") is not None,
         "sizes_tokens_split_heads_k_v": sizes,
     }
     modes = [("fp32", torch.float32, False), ("fp32_tf32", torch.float32, True), ("bf16", torch.bfloat16, False)]
@@ -93,6 +136,7 @@ def hybrid_checks(device: torch.device, dry: bool) -> dict[str, Any]:
             "gdn": (_delta_rule_case, original(qwen.torch_chunk_gated_delta_rule), False),
             "kda": (_delta_rule_case, original(kimi.chunk_kimi_delta_attention), True),
             "conv": (_conv_case, original(qwen.causal_conv1d_fn)),
+            "mamba1_scan": (_selective_case, original(jamba.mamba_selective_scan)),
         }
         for name, (case, *args) in cases.items():
             try:

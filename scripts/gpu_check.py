@@ -11,9 +11,9 @@ b_fused_loss: Liger's fused linear cross-entropy (if installed) and the chunked 
 c_offload: a small Llama step with gradient checkpointing, ``HostOffload`` on vs off: bitwise equality, peak memory.
 d_long_context: one step (sp 1, bf16, AdamW, tiled MLP + fused loss + sequence-aware checkpointing) of a
 Llama-3.1-8B-shaped model with 2 and 4 layers at 64K-256K tokens; the 32-layer extrapolation (its model is in the JSON).
-e_hybrid: the hybrid layers' kernels (GDN, KDA, causal conv; FLA / causal-conv1d when installed) split the way SP
-splits a document (state summaries, conv halo) vs unsplit, and vs the CPU torch kernels; fp32, TF32, bf16
-(``_gpu_hybrid.py``).
+e_hybrid: the hybrid layers' kernels (GDN, KDA, causal conv, Mamba1's scan; FLA / causal-conv1d / mamba-ssm when
+installed) split the way SP splits a document (state summaries, conv halo) vs unsplit, and vs the CPU torch kernels;
+fp32, TF32, bf16 (``_gpu_hybrid.py``).
 f_vlm: a whole VLM step (Qwen2-VL-shaped, a packed row of three documents with images) under SP at sp 1 and at sp 2
 (two processes on the one GPU over gloo; media whole and split) vs each document alone, fp32 and bf16: loss and every
 gradient, the vision tower's included; and one long multimodal row's peak memory per rank (``_gpu_vlm.py``).
@@ -173,7 +173,11 @@ def kernel_runs(ctx: Ctx, half: bool, cfg) -> dict[str, Any]:
         else:
             from torch.nn.attention.varlen import varlen_attn
 
-            out = varlen_attn(*args, max(docs), scale=scale, window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])
+            from hf_sp_trainer.attention.block_attention import _gqa_expanded, _varlen_takes_gqa
+
+            gqa = {"enable_gqa": q.shape[1] != k.shape[1]} if _varlen_takes_gqa() else {}
+            args = (args[0], *_gqa_expanded(args[0], *args[1:3]), *args[3:])
+            out = varlen_attn(*args, max(docs), scale=scale, window_size=(-1, 0), **gqa)
         return out.reshape(q.shape[0], -1, *out.shape[1:]).transpose(1, 2)
 
     def block(kernel: str, kind: str):

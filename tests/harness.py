@@ -44,8 +44,11 @@ HYBRID_FAMILIES = {
     "lfm2": "Lfm2Config",  # gated short convolutions and attention
     "granitemoehybrid": "GraniteMoeHybridConfig",  # Granite-4.0-H: Mamba2 and attention, MoE
     "minimax": "MiniMaxConfig",  # lightning (decayed linear) attention and full attention, MoE
-    "mamba2": "Mamba2Config",  # pure Mamba2, no attention (sp_size 1 only); its CausalLM drops position_ids
+    "mamba2": "Mamba2Config",  # pure Mamba2, no attention (the sequence split only); its CausalLM drops position_ids
+    "jamba": "JambaConfig",  # Mamba1 (selective scan, called without **kwargs) and attention, MoE with router loss
+    "mamba": "MambaConfig",  # pure Mamba1: its model passes its layers no kwargs at all
 }
+PURE_SSM = {"mamba2", "mamba"}  # no attention: eager (no sdpa to set)
 # Families whose transformers forward of a position_ids-packed row differs from each document alone (hybrid layers'
 # state leaks; Llama-4's NoPE temperature counts the row index): their references train on right-padded rows.
 PADDED_REFERENCE = {*HYBRID_FAMILIES, "llama4"}
@@ -69,6 +72,19 @@ MLA = dict(
 )  # fmt: skip
 FAMILY_OVERRIDES = {
     "mamba2": dict(num_heads=8, head_dim=16, n_groups=1, state_size=16, expand=2, chunk_size=8),
+    "mamba": dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=8),
+    "jamba": dict(
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=0,
+        num_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.5,
+        mamba_d_state=8,
+        mamba_dt_rank=8,
+    ),  # fmt: skip
     "gpt_oss": dict(
         num_local_experts=4,
         sliding_window=12,

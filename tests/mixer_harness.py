@@ -8,6 +8,7 @@ import datetime
 import torch
 import torch.distributed as dist
 from transformers.models.bamba import modeling_bamba as bamba
+from transformers.models.jamba import modeling_jamba as jamba
 from transformers.models.kimi_linear import modeling_kimi_linear as kimi_linear
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
 
@@ -17,6 +18,7 @@ from hf_sp_trainer.mixers.gated_deltanet import sp_chunk_gated_delta_rule
 from hf_sp_trainer.mixers.lightning import lightning_forward
 from hf_sp_trainer.mixers.mamba2 import sp_mamba2_chunk_scan
 from hf_sp_trainer.mixers.runs import shard_runs
+from hf_sp_trainer.mixers.selective_scan import sp_selective_scan
 from hf_sp_trainer.sharding import SequenceSharding
 from hf_sp_trainer.topology import release_groups, sp_topology
 
@@ -24,6 +26,7 @@ CONV = getattr(qwen3_5.causal_conv1d_fn, "_hf_sp_original", qwen3_5.causal_conv1
 GDN = getattr(qwen3_5.torch_chunk_gated_delta_rule, "_hf_sp_original", qwen3_5.torch_chunk_gated_delta_rule)
 KDA = getattr(kimi_linear.chunk_kimi_delta_attention, "_hf_sp_original", kimi_linear.chunk_kimi_delta_attention)
 SCAN = getattr(bamba.mamba2_chunk_scan, "_hf_sp_original", bamba.mamba2_chunk_scan)
+SELECTIVE = getattr(jamba.mamba_selective_scan, "_hf_sp_original", jamba.mamba_selective_scan)
 
 
 def segments(docs: list[int]) -> list[tuple[int, int]]:
@@ -191,6 +194,53 @@ def check_mamba2(
     return _max_over_ranks(result)
 
 
+SELECTIVE_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
+
+
+def check_selective(
+    docs: list[int], ring_size: int, channels: int = 6, state: int = 4, carry_state: bool = True, relay: bool = False
+) -> dict[str, float]:
+    """Max relative difference of Mamba1's selective scan output and of every input's gradient, SP vs document by
+    document (transformers' ``mamba_selective_scan``: gate ``z``, ``D``, ``delta_bias``, softplus; weak decay)."""
+    topo = sp_topology(dist.get_world_size(), ring_size)
+    sharding = SequenceSharding(topo.sp_size, ring_size)
+    total = sum(docs)
+    gen = torch.Generator().manual_seed(0)
+    u, delta, z = (torch.randn(1, channels, total, generator=gen) for _ in range(3))
+    A = -0.1 - 0.4 * torch.rand(channels, state, generator=gen)
+    B, C = (torch.randn(1, state, total, generator=gen) for _ in range(2))
+    D, delta_bias = torch.randn(channels, generator=gen), -2.0 + 0.1 * torch.randn(channels, generator=gen)
+    inputs = [t.requires_grad_() for t in (u, delta, A, B, C, D, z, delta_bias)]
+    opts = dict(delta_softplus=True)
+    weight = torch.randn(u.shape, generator=torch.Generator().manual_seed(1))
+    ref = torch.cat(
+        [
+            SELECTIVE(u[..., s:e], delta[..., s:e], A, B[..., s:e], C[..., s:e], D=D, z=z[..., s:e],
+                      delta_bias=delta_bias, **opts)
+            for s, e in segments(docs)
+        ],
+        -1,
+    )  # fmt: skip
+    (ref * weight).sum().backward()
+    ref_grads = [t.grad.clone() for t in inputs]
+    index = sharding.positions(total, topo.sp_rank)
+    ul, dl, Bl, Cl, zl = (t.detach()[..., index].clone().requires_grad_() for t in (u, delta, B, C, z))
+    Al, Dl, biasl = (t.detach().clone().requires_grad_() for t in (A, D, delta_bias))
+    runs = shard_runs(document_bounds([segments(docs)], total), 1, sharding, topo.sp_rank)
+    out = sp_selective_scan(
+        SELECTIVE, ul, dl, Al, Bl, Cl, runs, topo.sp_group, D=Dl, z=zl, delta_bias=biasl, delta_softplus=True,
+        relay=relay, carry_state=carry_state,
+    )  # fmt: skip
+    (out * weight[..., index]).sum().backward()
+    for t in (Al, Dl, biasl):  # parameter gradients are partial per rank: summed like SP's gradient reduction
+        dist.all_reduce(t.grad)
+    result = {"out": _rel(out.detach(), ref.detach()[..., index])}
+    grads = [ul.grad, dl.grad, Al.grad, Bl.grad, Cl.grad, Dl.grad, zl.grad, biasl.grad]
+    for name, got, want in zip(SELECTIVE_NAMES, grads, ref_grads, strict=True):
+        result[name] = _rel(got, want if name in ("A", "D", "delta_bias") else want[..., index])
+    return _max_over_ranks(result)
+
+
 def lightning_layer(block: int = 4, decay: float = 0.02, seed: int = 0):
     """A tiny ``MiniMaxLightningAttention`` (2 heads of 8, ``block``-token blocks) with its slopes set to ``decay``
     per token (weak: the state reaches across documents and ranks), and the modeling module."""
@@ -257,4 +307,5 @@ def run_checks(cases: list[tuple[str, str, dict]]) -> dict[str, dict[str, float]
     case's differences."""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     checks = {"gdn": check_gdn, "conv": check_conv, "mamba2": check_mamba2, "lightning": check_lightning}
+    checks["selective"] = check_selective
     return {name: checks[kind](**kwargs) for name, kind, kwargs in cases}

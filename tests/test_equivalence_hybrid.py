@@ -6,7 +6,7 @@ document apart, at every sp_size)."""
 import pytest
 import torch
 
-from tests.harness import EXACT, Case, check_sp_case, sp_runs_by_world, tiny_model
+from tests.harness import EXACT, PURE_SSM, Case, check_sp_case, sp_runs_by_world, tiny_model
 from tests.sft_harness import SFTCase, train_sft_case
 
 pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
@@ -15,6 +15,9 @@ RING2 = {"sp_ring_size": 2}
 RELAY = {"sp_state_passing": "relay"}  # the state handed rank to rank (a debugging aid), not gathered
 SGD = dict(optim="sgd", steps=4)
 CHECKPOINTING = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+NO_AUX = dict(output_router_logits=False)
+# reentrant: a recompute without SP's scope would run the plain scan silently (non-reentrant would raise)
+REENTRANT = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
 MEMORY = dict(fused_loss=True, checkpoint_offloading=True, checkpoint_policy="sequence_aware", **CHECKPOINTING)
 WORLD2 = [
     Case("qwen3_5_gdn_sgd_ga2", family="qwen3_5", grad_accum=2, **SGD),  # conv halo + state across the 2 ranks
@@ -35,6 +38,12 @@ WORLD2 = [
     Case("ring2_minimax_lightning", family="minimax", sp_overrides=RING2, **SGD),
     Case("mamba2_pure_sgd_ga2", family="mamba2", attn="eager", grad_accum=2, **SGD),  # no attention: sequence only
     Case("ring2_mamba2_pure", family="mamba2", attn="eager", sp_overrides=RING2, **SGD),  # zigzag shards
+    Case("jamba_mamba1_sgd_ga2", family="jamba", grad_accum=2, **SGD),  # Mamba1 + attention + MoE router loss
+    # the recompute runs under its forward's SP scope; the router loss off: transformers' reentrant checkpoint runs
+    # the forward under no_grad, so the router loss gets no gradient there even in one process
+    Case("jamba_mamba1_grad_ckpt", family="jamba", sp_overrides=REENTRANT, model_overrides=NO_AUX, **SGD),
+    Case("zero3_jamba_mamba1", family="jamba", backend="zero3", **SGD),
+    Case("mamba1_pure_sgd_ga2", family="mamba", attn="eager", grad_accum=2, **SGD),  # no kwargs reach its layers
 ]
 WORLD4 = [
     Case("sp4_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, **SGD),  # a document over >= 3 ranks
@@ -42,6 +51,9 @@ WORLD4 = [
     Case("dp2sp2_lfm2_short_conv", family="lfm2", sp_size=2, world_size=4, **SGD),
     Case("sp4_minimax_lightning", family="minimax", sp_size=4, world_size=4, **SGD),
     Case("sp4_mamba2_pure", family="mamba2", attn="eager", sp_size=4, world_size=4, **SGD),
+    Case("sp4_jamba_mamba1", family="jamba", sp_size=4, world_size=4, **SGD),
+    # the router loss off: a whole-batch product of averages, it differs per DP group with or without SP
+    Case("dp2sp2_jamba_mamba1", family="jamba", sp_size=2, world_size=4, grad_accum=2, model_overrides=NO_AUX, **SGD),
     Case("relay_hybrid2x2_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, sp_overrides=RING2 | RELAY, **SGD),
 ]
 
@@ -50,7 +62,7 @@ WORLD4 = [
 def test_reference_keeps_documents_apart_and_packing_would_not():
     """Negative control for the reference: transformers' packed forward of a hybrid model differs from its forward
     of each document alone (the state leaks), while the padded rows the references train on do not."""
-    for family in ("qwen3_5", "lfm2", "granitemoehybrid", "minimax"):
+    for family in ("qwen3_5", "lfm2", "granitemoehybrid", "minimax", "jamba"):
         model = tiny_model(family).eval()
         g = torch.Generator().manual_seed(0)
         docs = [torch.randint(3, 128, (n,), generator=g) for n in (13, 9)]
@@ -84,7 +96,7 @@ def _sp1_run(family: str, collator, sp_trainer: bool, out_dir: str) -> dict:
     from hf_sp_trainer import SPTrainer, TrainingArguments
     from tests.harness import quiet_args, synthetic_dataset
 
-    model = tiny_model(family, attn="eager" if family == "mamba2" else "sdpa")  # Mamba2: no attention, no sdpa
+    model = tiny_model(family, attn="eager" if family in PURE_SSM else "sdpa")  # no attention, no sdpa
     common = quiet_args(out_dir, 3) | dict(
         per_device_train_batch_size=3, optim="sgd", learning_rate=5e-2, remove_unused_columns=False
     )
@@ -99,7 +111,7 @@ def _sp1_run(family: str, collator, sp_trainer: bool, out_dir: str) -> dict:
     return {"losses": losses, "params": torch.cat([p.detach().flatten() for p in model.parameters()])}
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "minimax", "mamba2"])
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "minimax", "mamba2", "jamba", "mamba"])
 def test_sp_size_1_keeps_packed_documents_apart(family, tmp_path):
     """SPTrainer(sp_size=1) on position_ids-packed rows trains like plain Trainer on one document per row; plain
     Trainer on the same packed rows does not (transformers' hybrid layers leak across documents). Mamba2ForCausalLM

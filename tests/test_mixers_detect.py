@@ -16,10 +16,6 @@ pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below ar
 
 REFUSED = {  # model type, class: what the error must name
     "zaya": ("ZayaForCausalLM", ["Conv1d", "a convolution over the sequence"]),
-    "jamba": ("JambaForCausalLM", ["JambaMambaMixer", "mamba_selective_scan", "no exact version"]),  # Mamba1
-    "mamba": ("MambaForCausalLM", ["MambaMixer", "mamba_selective_scan", "no exact version"]),
-    "falcon_mamba": ("FalconMambaForCausalLM", ["FalconMambaMixer", "mamba_selective_scan"]),
-    "zamba": ("ZambaForCausalLM", ["ZambaMambaMixer", "mamba_selective_scan"]),
     "recurrent_gemma": ("RecurrentGemmaForCausalLM", ["RecurrentGemmaRecurrentBlock"]),
     "doge": ("DogeForCausalLM", ["DogeAttention", "computes its own mask"]),
     "deepseek_v32": ("DeepseekV32ForCausalLM", ["DeepseekV32Attention", "top-k selection"]),
@@ -105,6 +101,10 @@ COVERED = {  # hybrid models whose mixers SP runs exactly (hf_sp_trainer.mixers.
     "granitemoehybrid": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridMambaLayer"),
     "falcon_h1": ("FalconH1ForCausalLM", "FalconH1Mixer"),
     "zamba2": ("Zamba2ForCausalLM", "Zamba2MambaMixer"),
+    "jamba": ("JambaForCausalLM", "JambaMambaMixer"),  # Mamba1: its selective scan reached through the SP scope
+    "mamba": ("MambaForCausalLM", "MambaMixer"),  # no attention: the sequence split only
+    "falcon_mamba": ("FalconMambaForCausalLM", "FalconMambaMixer"),
+    "zamba": ("ZambaForCausalLM", "ZambaMambaMixer"),  # Mamba1 heads, each its own scan
     "minimax": ("MiniMaxForCausalLM", "MiniMaxLightningAttention"),  # no kernel function: its forward is swapped
 }
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from hf_sp_trainer.documents import BOUNDS_KWARG, SP_KWARG
-from hf_sp_trainer.mixers.swap import MODULE_ENTRIES, _lightning_ok, check_module
+from hf_sp_trainer.mixers.checks import _lightning_ok, check_module
+from hf_sp_trainer.mixers.swap import MODULE_ENTRIES
 from tests.mixer_harness import lightning_layer
 
 pytestmark = pytest.mark.unit  # in-process

@@ -11,7 +11,8 @@ import torch
 from transformers.models.bamba import modeling_bamba as bamba
 
 from hf_sp_trainer.documents import BOUNDS_KWARG
-from hf_sp_trainer.mixers.swap import ENTRIES, _mamba2_ok
+from hf_sp_trainer.mixers.checks import _mamba2_ok
+from hf_sp_trainer.mixers.swap import ENTRIES
 
 pytestmark = pytest.mark.unit  # in-process
 

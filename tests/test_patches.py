@@ -356,6 +356,13 @@ def _sp_run_patches(family: str, out_dir: str) -> list[tuple[str, str, str]]:
         ("qwen3_5", {f"transformers.models.qwen3_5.modeling_qwen3_5.{name}" for name in (
             "causal_conv1d_fn", "torch_chunk_gated_delta_rule", "causal_conv1d_update",
             "torch_recurrent_gated_delta_rule")}),
+        ("jamba", {f"transformers.models.{name}" for name in (  # Mamba1 + MoE; the layers: recompute in scope
+            *(f"jamba.modeling_jamba.{kernel}" for kernel in (
+                "causal_conv1d_fn", "mamba_selective_scan", "mamba_inner_fn", "causal_conv1d_update",
+                "mamba_selective_state_update", "load_balancing_loss_func",
+                "JambaMambaDecoderLayer[model.layers.0].__class__",
+                "JambaAttentionDecoderLayer[model.layers.1].__class__")),
+            "mixtral.modeling_mixtral.load_balancing_loss_func")}),
     ],
 )  # fmt: skip
 def test_a_plain_sp_run_applies_only_what_its_model_needs(family, expected, tmp_path):

@@ -297,6 +297,22 @@ def test_kernels_without_lse_are_refused():
         ring_attention(*qkv, [[(0, 8)]], None, scale=1.0, dropout=0.1)
 
 
+def test_varlen_gqa_fallback_repeats_kv_heads_and_sums_their_gradients(monkeypatch):
+    """torch < 2.13's ``varlen_attn`` has no ``enable_gqa``: k / v are repeated to the q heads (query head ``h`` reads
+    kv head ``h // group``) and the gradients of the copies are summed back. Checked against autograd of the repeat."""
+    from hf_sp_trainer.attention import block_attention as ba
+
+    monkeypatch.setattr(ba, "_varlen_takes_gqa", lambda: False)
+    q, k = torch.randn(5, 6, 4), torch.randn(5, 2, 4, requires_grad=True)
+    (wide,) = ba._gqa_expanded(q, k)
+    assert wide.shape == (5, 6, 4) and torch.equal(wide[:, 4], k[:, 1]) and torch.equal(wide[:, 2], k[:, 0])
+    grad = torch.randn_like(wide)
+    wide.backward(grad)
+    assert torch.equal(ba._gqa_reduced(grad, 2), k.grad)
+    monkeypatch.setattr(ba, "_varlen_takes_gqa", lambda: True)
+    assert ba._gqa_expanded(q, k)[0] is k  # the installed kernel takes GQA itself
+
+
 # -- the ring over spawned gloo processes -------------------------------------------------------------------------
 def _lengths(*lengths: int) -> list[tuple[int, int]]:
     bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()

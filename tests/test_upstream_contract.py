@@ -47,6 +47,8 @@ KIMI = "transformers.models.kimi_linear.modeling_kimi_linear"
 BAMBA = "transformers.models.bamba.modeling_bamba"
 MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
 MINIMAX = "transformers.models.minimax.modeling_minimax"
+JAMBA = "transformers.models.jamba.modeling_jamba"
+MAMBA = "transformers.models.mamba.modeling_mamba"
 GRPO, RLOO = "trl.trainer.grpo_trainer.GRPOTrainer", "trl.trainer.rloo_trainer.RLOOTrainer"
 SFT, DPO, KTO, REWARD = (
     "trl.trainer.sft_trainer.SFTTrainer",
@@ -101,6 +103,12 @@ CONTRACT: list[Member] = [
     Member(f"{BAMBA}.mamba2_split_conv1d_scan_combined", "mixers/swap.py switches the fused path off (checked)",
            params=("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "chunk_size")),
     Member(f"{BAMBA}.mamba2_selective_state_update", "mixers/swap.py: refused under SP (cached decoding)"),
+    Member(f"{JAMBA}.mamba_selective_scan", "mixers/swap.py swaps it (behaviour-checked)",
+           params=("hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus")),
+    Member(f"{JAMBA}.mamba_selective_scan.__wrapped__", "mixers/checks.py checks the hub wrapper's torch path"),
+    Member(f"{JAMBA}.mamba_selective_state_update", "mixers/swap.py: refused under SP (cached decoding)"),
+    Member(f"{MAMBA}.mamba_inner_fn", "mixers/swap.py switches Mamba1's fused path off (checked)",
+           params=("xz", "conv1d_weight", "conv1d_bias", "x_proj_weight", "delta_proj_weight", "out_proj_weight")),
     Member(f"{MINIMAX}.MiniMaxLightningAttention.forward", "mixers/swap.py swaps it (behaviour-checked)",
            params=("self", "hidden_states", "position_embeddings", "attention_mask", "cache")),
     Member(f"{MINIMAX}.apply_mask_to_padding_states", "mixers/lightning.py",

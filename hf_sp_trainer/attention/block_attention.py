@@ -16,7 +16,9 @@ fp16/bf16 (math otherwise), ``varlen`` -> the same, ``flash_attention_2``/``_3``
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import itertools
 
 import torch
@@ -192,12 +194,37 @@ def _varlen_geometry(kind, b, nq, nk, offset, docs, window, device):
     return cu(lens_q), cu(lens_k), max(lens_q), max(lens_k), win
 
 
+@functools.cache
+def _varlen_takes_gqa() -> bool:
+    """torch 2.13's ``varlen_attn`` takes ``enable_gqa``; earlier ones (2.11) need as many kv heads as q heads."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def _gqa_expanded(q: torch.Tensor, *kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Packed ``[t, hkv, d]`` k / v repeated to q's heads where the installed ``varlen_attn`` lacks ``enable_gqa``."""
+    group = q.shape[1] // kv[0].shape[1]
+    if group == 1 or _varlen_takes_gqa():
+        return kv
+    return tuple(x.repeat_interleave(group, dim=1) for x in kv)
+
+
+def _gqa_reduced(grad: torch.Tensor, heads: int) -> torch.Tensor:
+    """The gradient of :func:`_gqa_expanded`: the q heads of each kv head summed back to ``heads``."""
+    t, h, d = grad.shape
+    return grad if h == heads else grad.view(t, heads, h // heads, d).sum(2)
+
+
 def _varlen_forward(path, q, k, v, geometry, scale, softcap, causal):
     cu_q, cu_k, max_q, max_k, win = geometry
     if path == "varlen":
         from torch.nn.attention.varlen import AuxRequest, varlen_attn
 
-        kw = dict(return_aux=AuxRequest(lse=True), scale=scale, window_size=win, enable_gqa=q.shape[1] != k.shape[1])
+        kw = dict(return_aux=AuxRequest(lse=True), scale=scale, window_size=win)
+        if _varlen_takes_gqa():
+            kw["enable_gqa"] = q.shape[1] != k.shape[1]
+        k, v = _gqa_expanded(q, k, v)
         return varlen_attn(q, k, v, cu_seq_q=cu_q, cu_seq_k=cu_k, max_q=max_q, max_k=max_k, **kw)
     if path == "flash_attention_2":
         from flash_attn import flash_attn_varlen_func
@@ -223,10 +250,13 @@ def _varlen_backward(path, dout, q, k, v, out, lse, geometry, scale, softcap, ca
 
         rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
         op = torch.ops.torch_attn._varlen_attn_backward
-        return op(
+        heads = k.shape[1]
+        k, v = _gqa_expanded(q, k, v)
+        dq, dk, dv = op(
             dout, q, k, v, out, lse, cu_seq_q=cu_q, cu_seq_k=cu_k, max_q=max_q, max_k=max_k,
             is_causal=win == (-1, 0), rng_state=rng_state, scale=scale, window_size=list(win),
         )  # fmt: skip
+        return dq, _gqa_reduced(dk, heads), _gqa_reduced(dv, heads)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     common = dict(softmax_scale=scale, window_size_left=win[0], window_size_right=win[1], softcap=softcap or 0.0)
     if path == "flash_attention_2":

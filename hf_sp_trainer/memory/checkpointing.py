@@ -28,6 +28,7 @@ from transformers.utils import logging
 from .. import patches
 from ..attention.ring import ring_attention_op
 from ..comm.all_to_all import all_to_all_op, all_to_all_packed_op
+from ..documents import current_scope, run_in_scope
 from ..model.decoder import decoder_layers
 from .offload import HostOffload
 
@@ -96,12 +97,15 @@ def sequence_aware_context_fn():
 
 
 class MemoryCheckpoint:
-    """A layer's checkpoint function with the selective policy and/or the offload hooks around it."""
+    """A layer's checkpoint function with the selective policy and/or the offload hooks around it; the layer runs,
+    in its forward and in its recompute alike, under the SP scope of its forward (``documents.run_in_scope``: the
+    recompute happens in the backward, outside any decoder forward)."""
 
     def __init__(self, inner, context_fn=None, offload: HostOffload | None = None):
         self.inner, self.context_fn, self.offload = inner, context_fn, offload
 
     def __call__(self, function, *args, **kwargs):
+        function = functools.partial(run_in_scope, current_scope(), function)
         if self.context_fn is not None:
             kwargs["context_fn"] = self.context_fn
         if self.offload is None:
@@ -184,6 +188,17 @@ def _unwrap_checkpoint_function(layer: torch.nn.Module) -> None:
 def wrap_checkpointed_layers(model: torch.nn.Module, context_fn=None, offload: HostOffload | None = None) -> int:
     """Give every decoder layer of ``model`` these checkpoint settings (once, through the patch registry: the
     layer's class swapped for one whose checkpoint function is wrapped); returns the number of layers."""
+    return _wrap_layers(model, (context_fn, offload), replace=True)
+
+
+def scope_checkpointed_layers(model: torch.nn.Module) -> int:
+    """Make every decoder layer of ``model`` recompute under the SP scope of its forward (the same class swap, with
+    no memory settings unless ``wrap_checkpointed_layers`` gives some): the kernels of a layer that drops SP's kwargs
+    (``MambaModel``'s, Mamba1's selective scan) find them in the scope, also when checkpointing replays the layer."""
+    return _wrap_layers(model, (None, None), replace=False)
+
+
+def _wrap_layers(model: torch.nn.Module, settings: tuple, replace: bool) -> int:
     layers = [(n, m) for n, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
     for name, layer in layers:
         if not isinstance(layer, MemoryCheckpointedLayer):
@@ -192,13 +207,15 @@ def wrap_checkpointed_layers(model: torch.nn.Module, context_fn=None, offload: H
                 "__class__",
                 replacement=_memory_class(type(layer)),
                 check=check_checkpoint_function,
-                reason="checkpoint_policy / activation checkpoint offloading: the layer's checkpoint function wrapped",
+                reason="the layer's checkpoint function wrapped: recompute under the forward's SP scope, and "
+                "checkpoint_policy / activation checkpoint offloading",
                 where=name or type(model).__name__,
                 on_undo=_unwrap_checkpoint_function,
             )
         # set by transformers before the swap: shadowed by the class's property now, handed to it
         current = layer.__dict__.pop("_gradient_checkpointing_func", None)
-        layer.__dict__["_sp_checkpoint_settings"] = (context_fn, offload)
+        if replace or "_sp_checkpoint_settings" not in layer.__dict__:
+            layer.__dict__["_sp_checkpoint_settings"] = settings
         if current is not None and "_sp_checkpoint_inner" not in layer.__dict__:
             layer._gradient_checkpointing_func = current
     return len(layers)

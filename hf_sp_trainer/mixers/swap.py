@@ -12,31 +12,27 @@ its hub wrapper dispatches to where that can run here); a test fails loudly when
 from __future__ import annotations
 
 import functools
-import inspect
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .. import patches
-from ..documents import BOUNDS_KWARG, SP_KWARG, DocumentHook
-from ..memory.checkpointing import recompute_region
-from ..model.mixers import DECODE_ONLY_KERNELS, SP_KERNELS, SP_MODULES, covered_mixers
+from ..documents import BOUNDS_KWARG, SP_KWARG, DocumentHook, scoped_sp_kwargs
+from ..memory.checkpointing import recompute_region, scope_checkpointed_layers
+from ..model.mixers import DECODE_ONLY_KERNELS, SP_KERNELS, SP_MODULES, covered_mixers, reached_through_scope
 from ..sharding import SequenceSharding
 from ..topology import SPTopology
 from .causal_conv import sp_causal_conv1d
+from .checks import CHECKS, check_fused_fallback, check_kernel, check_module, parameter_device
 from .gated_deltanet import sp_chunk_gated_delta_rule
 from .lightning import lightning_forward
-from .mamba2 import run_decay, sp_mamba2_chunk_scan, step_sizes
+from .mamba2 import sp_mamba2_chunk_scan
 from .runs import shard_runs
+from .selective_scan import sp_selective_scan
 
 STATE_PASSING = ("gather", "relay")  # linear_state.py (the default) and relay.py (a debugging aid)
-# Kernels whose SP version calls the installed function itself (``core`` / ``scan`` below): with flash-linear-attention
-# or mamba-ssm installed, the hub wrapper's dispatch target (the conv's SP version is our own torch conv).
-DISPATCHED = ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention", "mamba2_chunk_scan")
 
 
 def check_state_passing(state_passing: str) -> None:
@@ -71,10 +67,19 @@ class MixerContext:
 
 def _sp_call(kwargs: dict) -> tuple[torch.Tensor | None, MixerContext | None]:
     """The documents and the mixer context of the model being run, which its decoder pre-hook passes down (popped
-    from ``kwargs``); ``(None, None)`` outside an SP forward (no pre-hook, or cached decoding)."""
+    from ``kwargs``; where a model, layer or mixer drops its kwargs, those its decoder passed down:
+    ``documents.scoped_sp_kwargs``); ``(None, None)`` outside an SP forward (no pre-hook, or cached decoding)."""
     bounds, context = kwargs.pop(BOUNDS_KWARG, None), kwargs.pop(SP_KWARG, None)
+    if bounds is None:
+        scoped = scoped_sp_kwargs()
+        bounds, context = scoped.get(BOUNDS_KWARG), scoped.get(SP_KWARG)
     mixers = (context or {}).get("mixers")
     return (bounds, mixers) if bounds is not None and mixers is not None else (None, None)
+
+
+def _sp_active(kwargs: dict) -> bool:
+    """An SP forward (or documents kept apart) is running the caller: bounds in its kwargs or its layer's."""
+    return kwargs.get(BOUNDS_KWARG) is not None or scoped_sp_kwargs().get(BOUNDS_KWARG) is not None
 
 
 def _conv_entry(original: Callable) -> Callable:
@@ -130,23 +135,47 @@ def _mamba2_entry(original: Callable) -> Callable:
     return mamba2_chunk_scan
 
 
-def _unfused_entry(original: Callable) -> Callable:
-    """The fused whole-layer Mamba2 path (``mamba_ssm``'s ``mamba_split_conv1d_scan_combined``) returns ``None``
-    under SP, as its torch fallback always does: the layer then runs its unfused path through the swapped kernels."""
+def _selective_entry(original: Callable) -> Callable:
+    """Mamba1's selective scan (Jamba, Mamba, FalconMamba, Zamba), which its mixer calls without ``**kwargs``."""
 
     @functools.wraps(original)
-    def mamba2_split_conv1d_scan_combined(*args, **kwargs):
-        if kwargs.get(BOUNDS_KWARG) is not None:
+    def mamba_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, **kwargs):
+        bounds, ctx = _sp_call(kwargs)
+        if ctx is None:
+            return original(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, **kwargs)
+        if kwargs.get("return_last_state", False):
+            raise ValueError("Mamba1 under sequence parallelism runs without a cache (use_cache=False).")
+        runs = ctx.runs(bounds, hidden_states.shape[0])
+        options = {k: kwargs[k] for k in ("use_mambapy", "use_associative_scan") if k in kwargs}
+        scan = functools.partial(original, **options)
+        softplus = kwargs.get("delta_softplus", False)
+        with recompute_region():
+            return sp_selective_scan(
+                scan, hidden_states, dt, A, B, C, runs, ctx.group, D=D, z=z, delta_bias=delta_bias,
+                delta_softplus=softplus, relay=ctx.relay,
+            )  # fmt: skip
+
+    return mamba_selective_scan
+
+
+def _unfused_entry(original: Callable) -> Callable:
+    """A fused whole-layer path (mamba-ssm's ``mamba_split_conv1d_scan_combined`` for Mamba2, ``mamba_inner_fn``
+    for Mamba1) returns ``None`` under SP, as its torch fallback always does: the layer then runs its unfused path
+    through the swapped kernels."""
+
+    @functools.wraps(original)
+    def fused_layer(*args, **kwargs):
+        if _sp_active(kwargs):
             return None
         return original(*args, **kwargs)
 
-    return mamba2_split_conv1d_scan_combined
+    return fused_layer
 
 
 def _decode_only_entry(original: Callable) -> Callable:
     @functools.wraps(original)
     def decode_kernel(*args, **kwargs):
-        if kwargs.get(BOUNDS_KWARG) is not None:
+        if _sp_active(kwargs):
             raise ValueError(f"{original.__name__} (cached decoding) can't run under sequence parallelism.")
         return original(*args, **kwargs)
 
@@ -178,18 +207,14 @@ def _kernel_check(module_name: str, name: str, device, fn: Callable) -> None:
     check_kernel(module_name, name, fn, device)
 
 
-def _kernel_check(module_name: str, name: str, device, fn: Callable) -> None:
-    """``check_kernel``: the installed kernel still computes what its SP version relies on (a small input, on the
-    CPU and where the kernel its hub wrapper dispatches to runs)."""
-    check_kernel(module_name, name, fn, device)
-
-
 ENTRIES: dict[str, Callable[[Callable], Callable]] = {
     "causal_conv1d_fn": _conv_entry,
     "torch_chunk_gated_delta_rule": _gdn_entry,
     "chunk_kimi_delta_attention": _gdn_entry,  # KDA: the delta rule with a per-channel decay, the same SP algorithm
     "mamba2_chunk_scan": _mamba2_entry,
     "mamba2_split_conv1d_scan_combined": _unfused_entry,
+    "mamba_selective_scan": _selective_entry,
+    "mamba_inner_fn": _unfused_entry,
 }
 assert set(ENTRIES) == set(SP_KERNELS), "detect.SP_KERNELS must name exactly the swapped kernels"
 # Mixer classes whose forward is swapped (no kernel function to hook): class name -> entry
@@ -200,7 +225,8 @@ _REASONS: dict[Callable, str] = {
     _conv_entry: "the exact SP causal conv1d of hybrid layers (each document's conv across the SP ranks)",
     _gdn_entry: "the exact SP chunked delta rule (recurrent state passed across the SP ranks)",
     _mamba2_entry: "the exact SP Mamba2 chunk scan (recurrent state passed across the SP ranks)",
-    _unfused_entry: "switch Mamba2's fused whole-layer path off under SP (the layer falls back to the swapped kernels)",
+    _selective_entry: "the exact SP Mamba1 selective scan (recurrent state passed across the SP ranks)",
+    _unfused_entry: "switch a fused whole-layer Mamba path off under SP (the layer falls back to the swapped kernels)",
     _decode_only_entry: "refuse cached-decoding kernels inside an SP forward (SP runs without a cache)",
 }
 # Entries with nothing to check: outside an SP forward they call the installed function unchanged, inside one they
@@ -210,26 +236,13 @@ _UNCHECKED: dict[Callable, str] = {
 }
 
 
-def check_fused_fallback(fn: Callable) -> None:
-    """transformers' torch fallback of the fused whole-layer Mamba2 path (the hub wrapper's ``__wrapped__``) returns
-    ``None``, which the layer reads as 'no fused path': what the SP entry returns under SP."""
-    fallback = getattr(fn, "__wrapped__", fn)
-    required = [
-        p.name
-        for p in inspect.signature(fallback).parameters.values()
-        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    ]
-    if fallback(**dict.fromkeys(required)) is not None:
-        raise ValueError(f"{fallback.__module__}.{fallback.__name__}'s torch fallback no longer returns None")
-
-
 def attach_mixers(model: torch.nn.Module, documents: DocumentHook, state_passing: str = "gather") -> list[str]:
     """Swap the SP kernels into ``model``'s modeling modules (idempotent) and give ``model``'s layers, through its
     decoder pre-hook ``documents``, the context they run with (its topology: ``None`` at sp_size 1, documents kept
     apart within the process; ``state_passing``: one of ``STATE_PASSING``); returns ``module.function`` for every
     swapped function."""
     check_state_passing(state_passing)
-    device = _parameter_device(model)
+    device = parameter_device(model)
     swapped = []
     for module_name in sorted({type(m).__module__ for m in model.modules()}):
         module = sys.modules.get(module_name)
@@ -238,7 +251,7 @@ def attach_mixers(model: torch.nn.Module, documents: DocumentHook, state_passing
         for name, entry in {**ENTRIES, **dict.fromkeys(DECODE_ONLY_KERNELS, _decode_only_entry)}.items():
             if getattr(module, name, None) is None:
                 continue
-            if name in _CHECKS:
+            if name in CHECKS:
                 check, unchecked = functools.partial(_kernel_check, module_name, name, device), None
             elif entry is _unfused_entry:
                 check, unchecked = check_fused_fallback, None
@@ -257,6 +270,8 @@ def attach_mixers(model: torch.nn.Module, documents: DocumentHook, state_passing
                 fix=_FIX,
             )
             swapped.append(f"{cls.__module__}.{cls.__name__}.forward")
+    if reached_through_scope(model):
+        scope_checkpointed_layers(model)  # a checkpoint recompute finds SP's kwargs where the forward found them
     documents.context["mixers"] = MixerContext(documents.topology, documents.sharding, state_passing)
     return swapped
 
@@ -270,7 +285,7 @@ def check_mixer_kernels(model: torch.nn.Module) -> None:
             f"{type(model).__name__} was loaded with use_kernels=True: hub kernels may replace its hybrid layers "
             "whole, bypassing sequence parallelism's exact conv and state passing. Load it without use_kernels."
         )
-    device = _parameter_device(model)
+    device = parameter_device(model)
     for module_name in sorted({type(m).__module__ for m in model.modules()}):
         module = sys.modules.get(module_name)
         if module is None or not module_name.startswith("transformers.models."):
@@ -281,152 +296,3 @@ def check_mixer_kernels(model: torch.nn.Module) -> None:
     for cls in {type(m) for m in model.modules()}:
         if cls.__name__ in MODULE_ENTRIES:
             check_module(cls, patches.original(cls, "forward"))
-
-
-def _parameter_device(model: torch.nn.Module) -> torch.device:
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
-
-
-def dispatch_device(device: torch.device | str | None) -> str | None:
-    """Where the kernel a hub wrapper dispatches to (flash-linear-attention's, mamba-ssm's Triton kernels) can run for
-    a model on ``device``: that CUDA device, or the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set
-    before Python starts: the GPU-kernel test tier); ``None``: not here (the wrapper's torch path is what runs)."""
-    device = torch.device(device or "cpu")
-    if device.type == "cuda":
-        return str(device)
-    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
-
-
-def check_kernel(module_name: str, name: str, fn: Callable, device: torch.device | str | None = None) -> None:
-    """Raise unless the installed ``fn`` still computes what its SP version relies on (a small input): transformers'
-    torch path (``__wrapped__`` of its hub wrapper) on CPU, and, for the ``DISPATCHED`` kernels, ``fn`` itself as it
-    will run for a model on ``device`` (``dispatch_device``): with flash-linear-attention or mamba-ssm installed, their
-    kernel. Elsewhere (CPU without the interpreter) the torch path is what runs."""
-    check = _CHECKS.get(name)
-    if check is None:
-        return
-    torch_path = getattr(fn, "__wrapped__", fn)
-    runs = [(torch_path, "cpu", "")]
-    target = dispatch_device(device)
-    if name in DISPATCHED and target is not None and (fn is not torch_path or target != "cpu"):
-        runs.append((fn, target, f" (the kernel it dispatches to, on {target})"))
-    for impl, where, what in runs:
-        if not check(impl, where):
-            raise ValueError(
-                f"{module_name}.{name}{what} no longer computes what hf_sp_trainer's sequence-parallel version of it "
-                "assumes (this transformers or kernel package version changed it); use sp_size=1 for this model or "
-                "a supported version."
-            )
-
-
-def check_module(cls: type, forward: Callable) -> None:
-    """Raise unless the installed ``cls.forward`` still computes what its SP replacement computes (a small
-    instance of ``cls`` on a CPU input: each document alone, as the replacement runs it at sp_size 1)."""
-    if not _MODULE_CHECKS[cls.__name__](cls, forward):
-        raise ValueError(
-            f"{cls.__module__}.{cls.__name__}.forward no longer computes what hf_sp_trainer's sequence-parallel "
-            "version of it assumes (this transformers version changed it); use sp_size=1 for this model or a "
-            "supported transformers."
-        )
-
-
-@functools.cache
-def _lightning_ok(cls: type, forward: Callable) -> bool:
-    """Two documents (of 10 and 9 tokens, blocks of 4: three blocks each, partial ones, a start inside one)
-    through the replacement at sp_size 1 equal the installed forward run on each document alone."""
-    module_globals = sys.modules[cls.__module__]
-    config_cls = next(v for k, v in vars(module_globals).items() if k.endswith("Config") and isinstance(v, type))
-    config = config_cls(
-        hidden_size=16, num_attention_heads=2, head_dim=8, num_hidden_layers=2, block_size=4,
-        layer_types=["linear_attention", "full_attention"], intermediate_size=16, vocab_size=8,
-    )  # fmt: skip
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        layer = cls(config, 0).float()
-        hidden = torch.randn(1, 19, 16)
-    with torch.no_grad():
-        alone = torch.cat([forward(layer, hidden[:, s:e], None, None)[0] for s, e in ((0, 10), (10, 19))], dim=1)
-        runs = shard_runs(torch.tensor([0, 10, 19]), 1, SequenceSharding(1), 0)
-        padding = module_globals.apply_mask_to_padding_states
-        ours = lightning_forward(layer, hidden, None, runs, None, padding)[0]
-    return float((ours - alone).norm()) <= 1e-5 * float(alone.norm())
-
-
-_MODULE_CHECKS: dict[str, Callable[[type, Callable], bool]] = {"MiniMaxLightningAttention": _lightning_ok}
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal to fp32 round-off; on CUDA, where Triton's dots take fp32 through TF32 (a 10-bit mantissa), to 1e-2: a
-    broken identity is off by O(1)."""
-    return torch.allclose(a, b, rtol=1e-2, atol=1e-2) if a.is_cuda else torch.allclose(a, b, atol=1e-5)
-
-
-def _on(device: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
-    return [t.to(device) for t in tensors]
-
-
-@functools.cache
-def _conv_ok(fn: Callable, device: str = "cpu") -> bool:
-    gen = torch.Generator().manual_seed(0)
-    x, w, b = torch.randn(2, 3, 7, generator=gen), torch.randn(3, 4, generator=gen), torch.randn(3, generator=gen)
-    x, w, b = _on(device, x, w, b)
-    expected = F.silu(F.conv1d(x, w.unsqueeze(1), b, padding=3, groups=3)[..., :7])
-    return torch.allclose(fn(x, w, bias=b, activation="silu"), expected, atol=1e-6)  # only run on CPU
-
-
-@functools.cache
-def _gdn_ok(fn: Callable, device: str = "cpu", channel_decay: bool = False) -> bool:
-    """Affine in the initial state, column by column: what the SP delta rule's ``[v | 0]`` / ``[0 | I]`` call uses
-    (``channel_decay``: KDA's decay per key channel, ``g [b, s, heads, k]``); and a split with the state handed over
-    equal to the whole run (a kernel ignoring ``initial_state`` is affine too)."""
-    gen = torch.Generator().manual_seed(0)
-    q, k = torch.randn(2, 1, 10, 2, 16, generator=gen)
-    v, zeros = torch.randn(1, 10, 2, 16, generator=gen), torch.zeros(1, 10, 2, 16)
-    g = -torch.rand(1, 10, 2, *((16,) if channel_decay else ()), generator=gen)
-    beta, s0 = torch.rand(1, 10, 2, generator=gen), torch.randn(1, 2, 16, 16, generator=gen)
-    q, k, v, zeros, g, beta, s0 = _on(device, q, k, v, zeros, g, beta, s0)
-    run = functools.partial(fn, chunk_size=4, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    out, final = run(q, k, v, g=g, beta=beta, initial_state=s0)  # past q, k, v by name: FLA's differ from ours
-    out_v, final_v = run(q, k, v, g=g, beta=beta, initial_state=None)
-    out_s, final_s = run(q, k, zeros, g=g, beta=beta, initial_state=s0)
-    first, mid = run(q[:, :6], k[:, :6], v[:, :6], g=g[:, :6], beta=beta[:, :6], initial_state=s0)
-    rest, end = run(q[:, 6:], k[:, 6:], v[:, 6:], g=g[:, 6:], beta=beta[:, 6:], initial_state=mid)
-    return (
-        _close(out, out_v + out_s)
-        and _close(final, final_v + final_s)
-        and _close(torch.cat([first, rest], 1), out)
-        and _close(end, final)
-    )
-
-
-@functools.cache
-def _mamba2_ok(fn: Callable, device: str = "cpu") -> bool:
-    """Affine in the initial state with the per-head decay ``exp(A sum dt)`` of ``step_sizes`` (``dt_bias``,
-    softplus, the clamp: a limit that bites), and a split with the state handed over equal to the whole scan."""
-    gen = torch.Generator().manual_seed(0)
-    x, zeros = torch.randn(1, 11, 2, 8, generator=gen), torch.zeros(1, 11, 2, 8)
-    dt, A = torch.randn(1, 11, 2, generator=gen), -torch.rand(2, generator=gen) - 0.5
-    B, C = torch.randn(2, 1, 11, 1, 16, generator=gen)
-    D, bias, s0 = torch.randn(2, generator=gen), torch.randn(2, generator=gen), torch.randn(1, 2, 8, 16, generator=gen)
-    x, zeros, dt, A, B, C, D, bias, s0 = _on(device, x, zeros, dt, A, B, C, D, bias, s0)
-    opts = dict(chunk_size=8, dt_bias=bias, dt_softplus=True, dt_limit=(0.2, 1.5), return_final_states=True)
-    out, final = fn(x, dt=dt, A=A, B=B, C=C, D=D, initial_states=s0, **opts)  # past x by name: mamba_ssm's differs
-    out_x, final_x = fn(x, dt=dt, A=A, B=B, C=C, D=D, initial_states=None, **opts)
-    out_s, _ = fn(zeros, dt=dt, A=A, B=B, C=C, D=None, initial_states=s0, **opts)
-    decay = run_decay(A, step_sizes(dt, bias, True, (0.2, 1.5))[0])[:, None, None]
-    head, tail = fn(x[:, :5], dt=dt[:, :5], A=A, B=B[:, :5], C=C[:, :5], D=D, initial_states=s0, **opts)
-    rest, end = fn(x[:, 5:], dt=dt[:, 5:], A=A, B=B[:, 5:], C=C[:, 5:], D=D, initial_states=tail, **opts)
-    return (
-        _close(out, out_x + out_s)
-        and _close(final, final_x + decay * s0)
-        and _close(torch.cat([head, rest], 1), out)
-        and _close(end, final)
-    )
-
-
-_CHECKS: dict[str, Callable[[Callable, str], bool]] = {  # (the function, the device to run it on) -> ok
-    "causal_conv1d_fn": _conv_ok,
-    "torch_chunk_gated_delta_rule": _gdn_ok,
-    "mamba2_chunk_scan": _mamba2_ok,
-    "chunk_kimi_delta_attention": lambda fn, device: _gdn_ok(fn, device, channel_decay=True),
-}

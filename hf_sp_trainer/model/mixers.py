@@ -38,13 +38,15 @@ MIXER_TYPE = re.compile(r"linear|conv|mamba|ssm|recurren|rglru|delta|rwkv|lstm|r
 LAYER_TYPE_FIELDS = ("layer_types", "layers_block_type", "block_types", "layers_type")
 # transformers' module-level kernels that hf_sp_trainer.mixers.swap replaces with exact SP versions: a mixer whose
 # forward mixes the sequence only through these runs exactly under SP (Mamba2's fused whole-layer path is switched
-# off under SP: the layer falls back to its unfused path through the others).
+# off under SP, as is Mamba1's ``mamba_inner_fn``: the layer falls back to its unfused path through the others).
 SP_KERNELS = (
     "causal_conv1d_fn",
     "torch_chunk_gated_delta_rule",
     "mamba2_chunk_scan",
     "mamba2_split_conv1d_scan_combined",
     "chunk_kimi_delta_attention",
+    "mamba_selective_scan",
+    "mamba_inner_fn",
 )
 # Mixer classes with no kernel function to hook, whose forward hf_sp_trainer.mixers.swap replaces with an exact SP
 # version (checked against the installed forward): MiniMax's lightning attention.
@@ -55,6 +57,7 @@ DECODE_ONLY_KERNELS = (
     "torch_recurrent_gated_delta_rule",
     "mamba2_selective_state_update",
     "recurrent_kimi_delta_attention",
+    "mamba_selective_state_update",
 )
 # Names of functions that mix the sequence (a mixer calling one not in SP_KERNELS is not covered).
 MIXING_FUNCTION = re.compile(r"conv|delta|scan|selective|recurren|lightning|ssd|wkv|lstm|mamba|rglru", re.I)
@@ -64,8 +67,8 @@ MIXING_FUNCTION = re.compile(r"conv|delta|scan|selective|recurren|lightning|ssd|
 # suite crosses the window under its rows, so a modeling change that breaks this fact fails there.
 MASK_ONLY_WINDOWS = {"PhimoeAttention": "sliding_window"}
 HYBRID_ADVICE = (
-    "Use sp_size=1 for this model (hf_sp_trainer.mixers runs Gated DeltaNet, Kimi delta attention, Mamba2, short "
-    "convolutions and MiniMax's lightning attention exactly under SP; this layer is none of those)."
+    "Use sp_size=1 for this model (hf_sp_trainer.mixers runs Gated DeltaNet, Kimi delta attention, Mamba1, Mamba2, "
+    "short convolutions and MiniMax's lightning attention exactly under SP; this layer is none of those)."
 )
 
 
@@ -155,6 +158,37 @@ def covered_mixers(model: torch.nn.Module) -> set[str]:
         ):
             covered.add(name)
     return covered
+
+
+def reached_through_scope(model: torch.nn.Module) -> list[str]:
+    """Paths of the covered mixers SP's kwargs reach only through the decoder's SP scope (``documents``): the mixer
+    calls a swapped kernel without ``**kwargs`` (Mamba1's selective scan), or its parent calls the mixer without them
+    (Jamba's and Mamba's layers). An activation-checkpoint recompute of their layers must run under the scope of its
+    forward (``memory.checkpointing.scope_checkpointed_layers``)."""
+    found = []
+    for path in sorted(covered_mixers(model)):
+        module = model.get_submodule(path)
+        parent_path, _, attr = path.rpartition(".")
+        call = _self_call(type(model.get_submodule(parent_path)), attr)
+        if (call is not None and not _passes_kwargs(call)) or any(
+            not _passes_kwargs(c) for c in _kernel_calls(type(module))
+        ):
+            found.append(path)
+    return found
+
+
+def _passes_kwargs(call: ast.Call) -> bool:
+    return any(k.arg is None for k in call.keywords)
+
+
+@cache
+def _kernel_calls(cls: type) -> tuple[ast.Call, ...]:
+    """The calls of ``SP_KERNELS`` in ``cls.forward``."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return ()
+    return tuple(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) in SP_KERNELS)
 
 
 def _holds(model: torch.nn.Module, module: torch.nn.Module) -> bool:

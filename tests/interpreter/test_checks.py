@@ -1,4 +1,4 @@
-"""``swap.check_kernel`` runs the implementation SP will run: under ``TRITON_INTERPRET=1`` (as for a model on CUDA) it
+"""``checks.check_kernel`` runs the implementation SP will run: under ``TRITON_INTERPRET=1`` (as for a model on CUDA) it
 checks the kernel transformers' hub wrapper dispatches to (FLA's, mamba_ssm's) as well as transformers' torch path.
 The installed kernels pass; a dispatch target that breaks what the SP algorithm relies on is refused."""
 
@@ -11,7 +11,7 @@ from transformers.models.granitemoehybrid import modeling_granitemoehybrid as gr
 from transformers.models.kimi_linear import modeling_kimi_linear as kimi
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
 
-from hf_sp_trainer.mixers.swap import DISPATCHED, _gdn_ok, check_kernel, dispatch_device
+from hf_sp_trainer.mixers.checks import DISPATCHED, _gdn_ok, check_kernel, dispatch_device
 from tests.interpreter.kernels import dispatched, hub_wrapper
 from tests.interpreter.shims import cuda_calls_on_cpu
 

@@ -1,0 +1,217 @@
+"""Behaviour checks of the installed kernels the SP mixers rely on (``swap.attach_mixers`` swaps a function only after
+its check passes): each runs the installed function on a small input and compares it with what the SP version
+assumes of it (affine in the initial state, a split with the state handed over equal to the whole run, ...).
+``check_kernel`` runs transformers' torch path on the CPU and, for the ``DISPATCHED`` kernels, the kernel its hub
+wrapper dispatches to (flash-linear-attention's, mamba-ssm's) where that can run here.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..sharding import SequenceSharding
+from .lightning import lightning_forward
+from .mamba2 import run_decay, step_sizes
+from .runs import shard_runs
+from .selective_scan import discretised_steps, state_output
+
+# Kernels whose SP version calls the installed function itself (``core`` / ``scan`` in ``swap``): with
+# flash-linear-attention or mamba-ssm installed, the hub wrapper's dispatch target (the conv's SP version is our own
+# torch conv). Checked on the device a model runs on, or on the CPU under Triton's interpreter.
+DISPATCHED = ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention", "mamba2_chunk_scan")
+# Dispatched to a CUDA extension (mamba-ssm's ``selective_scan_fn``: no Triton, so not under the interpreter either).
+CUDA_DISPATCHED = ("mamba_selective_scan",)
+
+
+def check_fused_fallback(fn: Callable) -> None:
+    """transformers' torch fallback of the fused whole-layer Mamba2 path (the hub wrapper's ``__wrapped__``) returns
+    ``None``, which the layer reads as 'no fused path': what the SP entry returns under SP."""
+    fallback = getattr(fn, "__wrapped__", fn)
+    required = [
+        p.name
+        for p in inspect.signature(fallback).parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    if fallback(**dict.fromkeys(required)) is not None:
+        raise ValueError(f"{fallback.__module__}.{fallback.__name__}'s torch fallback no longer returns None")
+
+
+def parameter_device(model: torch.nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def dispatch_device(device: torch.device | str | None) -> str | None:
+    """Where the kernel a hub wrapper dispatches to (flash-linear-attention's, mamba-ssm's Triton kernels) can run for
+    a model on ``device``: that CUDA device, or the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set
+    before Python starts: the GPU-kernel test tier); ``None``: not here (the wrapper's torch path is what runs)."""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda":
+        return str(device)
+    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
+
+
+def check_kernel(module_name: str, name: str, fn: Callable, device: torch.device | str | None = None) -> None:
+    """Raise unless the installed ``fn`` still computes what its SP version relies on (a small input): transformers'
+    torch path (``__wrapped__`` of its hub wrapper) on CPU, and, for the ``DISPATCHED`` kernels, ``fn`` itself as it
+    will run for a model on ``device`` (``dispatch_device``): with flash-linear-attention or mamba-ssm installed, their
+    kernel. Elsewhere (CPU without the interpreter) the torch path is what runs."""
+    check = CHECKS.get(name)
+    if check is None:
+        return
+    torch_path = getattr(fn, "__wrapped__", fn)
+    runs = [(torch_path, "cpu", "")]
+    target = dispatch_device(device)
+    if target is not None and name in CUDA_DISPATCHED and not target.startswith("cuda"):
+        target = None  # a CUDA extension: on the CPU (even under the interpreter) the torch path is all that runs
+    if name in DISPATCHED + CUDA_DISPATCHED and target is not None and (fn is not torch_path or target != "cpu"):
+        runs.append((fn, target, f" (the kernel it dispatches to, on {target})"))
+    for impl, where, what in runs:
+        if not check(impl, where):
+            raise ValueError(
+                f"{module_name}.{name}{what} no longer computes what hf_sp_trainer's sequence-parallel version of it "
+                "assumes (this transformers or kernel package version changed it); use sp_size=1 for this model or "
+                "a supported version."
+            )
+
+
+def check_module(cls: type, forward: Callable) -> None:
+    """Raise unless the installed ``cls.forward`` still computes what its SP replacement computes (a small
+    instance of ``cls`` on a CPU input: each document alone, as the replacement runs it at sp_size 1)."""
+    if not _MODULE_CHECKS[cls.__name__](cls, forward):
+        raise ValueError(
+            f"{cls.__module__}.{cls.__name__}.forward no longer computes what hf_sp_trainer's sequence-parallel "
+            "version of it assumes (this transformers version changed it); use sp_size=1 for this model or a "
+            "supported transformers."
+        )
+
+
+@functools.cache
+def _lightning_ok(cls: type, forward: Callable) -> bool:
+    """Two documents (of 10 and 9 tokens, blocks of 4: three blocks each, partial ones, a start inside one)
+    through the replacement at sp_size 1 equal the installed forward run on each document alone."""
+    module_globals = sys.modules[cls.__module__]
+    config_cls = next(v for k, v in vars(module_globals).items() if k.endswith("Config") and isinstance(v, type))
+    config = config_cls(
+        hidden_size=16, num_attention_heads=2, head_dim=8, num_hidden_layers=2, block_size=4,
+        layer_types=["linear_attention", "full_attention"], intermediate_size=16, vocab_size=8,
+    )  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        layer = cls(config, 0).float()
+        hidden = torch.randn(1, 19, 16)
+    with torch.no_grad():
+        alone = torch.cat([forward(layer, hidden[:, s:e], None, None)[0] for s, e in ((0, 10), (10, 19))], dim=1)
+        runs = shard_runs(torch.tensor([0, 10, 19]), 1, SequenceSharding(1), 0)
+        padding = module_globals.apply_mask_to_padding_states
+        ours = lightning_forward(layer, hidden, None, runs, None, padding)[0]
+    return float((ours - alone).norm()) <= 1e-5 * float(alone.norm())
+
+
+_MODULE_CHECKS: dict[str, Callable[[type, Callable], bool]] = {"MiniMaxLightningAttention": _lightning_ok}
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to fp32 round-off; on CUDA, where Triton's dots take fp32 through TF32 (a 10-bit mantissa), to 1e-2: a
+    broken identity is off by O(1)."""
+    return torch.allclose(a, b, rtol=1e-2, atol=1e-2) if a.is_cuda else torch.allclose(a, b, atol=1e-5)
+
+
+def _on(device: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(device) for t in tensors]
+
+
+@functools.cache
+def _conv_ok(fn: Callable, device: str = "cpu") -> bool:
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(2, 3, 7, generator=gen), torch.randn(3, 4, generator=gen), torch.randn(3, generator=gen)
+    x, w, b = _on(device, x, w, b)
+    expected = F.silu(F.conv1d(x, w.unsqueeze(1), b, padding=3, groups=3)[..., :7])
+    return torch.allclose(fn(x, w, bias=b, activation="silu"), expected, atol=1e-6)  # only run on CPU
+
+
+@functools.cache
+def _gdn_ok(fn: Callable, device: str = "cpu", channel_decay: bool = False) -> bool:
+    """Affine in the initial state, column by column: what the SP delta rule's ``[v | 0]`` / ``[0 | I]`` call uses
+    (``channel_decay``: KDA's decay per key channel, ``g [b, s, heads, k]``); and a split with the state handed over
+    equal to the whole run (a kernel ignoring ``initial_state`` is affine too)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 1, 10, 2, 16, generator=gen)
+    v, zeros = torch.randn(1, 10, 2, 16, generator=gen), torch.zeros(1, 10, 2, 16)
+    g = -torch.rand(1, 10, 2, *((16,) if channel_decay else ()), generator=gen)
+    beta, s0 = torch.rand(1, 10, 2, generator=gen), torch.randn(1, 2, 16, 16, generator=gen)
+    q, k, v, zeros, g, beta, s0 = _on(device, q, k, v, zeros, g, beta, s0)
+    run = functools.partial(fn, chunk_size=4, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    out, final = run(q, k, v, g=g, beta=beta, initial_state=s0)  # past q, k, v by name: FLA's differ from ours
+    out_v, final_v = run(q, k, v, g=g, beta=beta, initial_state=None)
+    out_s, final_s = run(q, k, zeros, g=g, beta=beta, initial_state=s0)
+    first, mid = run(q[:, :6], k[:, :6], v[:, :6], g=g[:, :6], beta=beta[:, :6], initial_state=s0)
+    rest, end = run(q[:, 6:], k[:, 6:], v[:, 6:], g=g[:, 6:], beta=beta[:, 6:], initial_state=mid)
+    return (
+        _close(out, out_v + out_s)
+        and _close(final, final_v + final_s)
+        and _close(torch.cat([first, rest], 1), out)
+        and _close(end, final)
+    )
+
+
+@functools.cache
+def _mamba2_ok(fn: Callable, device: str = "cpu") -> bool:
+    """Affine in the initial state with the per-head decay ``exp(A sum dt)`` of ``step_sizes`` (``dt_bias``,
+    softplus, the clamp: a limit that bites), and a split with the state handed over equal to the whole scan."""
+    gen = torch.Generator().manual_seed(0)
+    x, zeros = torch.randn(1, 11, 2, 8, generator=gen), torch.zeros(1, 11, 2, 8)
+    dt, A = torch.randn(1, 11, 2, generator=gen), -torch.rand(2, generator=gen) - 0.5
+    B, C = torch.randn(2, 1, 11, 1, 16, generator=gen)
+    D, bias, s0 = torch.randn(2, generator=gen), torch.randn(2, generator=gen), torch.randn(1, 2, 8, 16, generator=gen)
+    x, zeros, dt, A, B, C, D, bias, s0 = _on(device, x, zeros, dt, A, B, C, D, bias, s0)
+    opts = dict(chunk_size=8, dt_bias=bias, dt_softplus=True, dt_limit=(0.2, 1.5), return_final_states=True)
+    out, final = fn(x, dt=dt, A=A, B=B, C=C, D=D, initial_states=s0, **opts)  # past x by name: mamba_ssm's differs
+    out_x, final_x = fn(x, dt=dt, A=A, B=B, C=C, D=D, initial_states=None, **opts)
+    out_s, _ = fn(zeros, dt=dt, A=A, B=B, C=C, D=None, initial_states=s0, **opts)
+    decay = run_decay(A, step_sizes(dt, bias, True, (0.2, 1.5))[0])[:, None, None]
+    head, tail = fn(x[:, :5], dt=dt[:, :5], A=A, B=B[:, :5], C=C[:, :5], D=D, initial_states=s0, **opts)
+    rest, end = fn(x[:, 5:], dt=dt[:, 5:], A=A, B=B[:, 5:], C=C[:, 5:], D=D, initial_states=tail, **opts)
+    return (
+        _close(out, out_x + out_s)
+        and _close(final, final_x + decay * s0)
+        and _close(torch.cat([head, rest], 1), out)
+        and _close(end, final)
+    )
+
+
+@functools.cache
+def _selective_ok(fn: Callable, device: str = "cpu") -> bool:
+    """Mamba1's scan in two parts, the second from zero plus what the first's final state adds to it (``state_output``,
+    gated: the closed form the SP scan uses, with ``delta_bias`` and softplus), equals the whole scan; its final state
+    is the second part's plus ``exp(A ⊙ sum dt)`` times the first's."""
+    gen = torch.Generator().manual_seed(0)
+    u, delta, z = torch.randn(3, 1, 4, 11, generator=gen)
+    A, B, C = -torch.rand(4, 3, generator=gen) - 0.5, *torch.randn(2, 1, 3, 11, generator=gen)
+    D, bias = torch.randn(2, 4, generator=gen)
+    u, delta, z, A, B, C, D, bias = _on(device, u, delta, z, A, B, C, D, bias)
+    opts = dict(D=D, delta_bias=bias, delta_softplus=True, return_last_state=True)
+    whole, last = fn(u, delta, A, B, C, z=z, **opts)  # by position: mamba-ssm names them u, delta
+    head, mid = fn(u[..., :5], delta[..., :5], A, B[..., :5], C[..., :5], z=z[..., :5], **opts)
+    rest, end = fn(u[..., 5:], delta[..., 5:], A, B[..., 5:], C[..., 5:], z=z[..., 5:], **opts)
+    steps = discretised_steps(delta[..., 5:], bias, True)
+    carried = state_output(A, steps, C[..., 5:], mid.float()) * F.silu(z[..., 5:])
+    decay = torch.exp(A * steps[0].sum(-1)[:, None])
+    return _close(torch.cat([head, rest + carried], -1).float(), whole.float()) and _close(
+        (end.float() + decay * mid.float()), last.float()
+    )
+
+
+CHECKS: dict[str, Callable[[Callable, str], bool]] = {  # (the function, the device to run it on) -> ok
+    "causal_conv1d_fn": _conv_ok,
+    "torch_chunk_gated_delta_rule": _gdn_ok,
+    "mamba2_chunk_scan": _mamba2_ok,
+    "mamba_selective_scan": _selective_ok,
+    "chunk_kimi_delta_attention": lambda fn, device: _gdn_ok(fn, device, channel_decay=True),
+}
