@@ -101,6 +101,7 @@ FAMILY_EXTRA = {
     },
     "xlnet": {"d_head": 16},
     "bamba": {"attn_layer_indices": [1]},  # a Mamba2 layer and an attention layer (its default has no attention)
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},  # its pattern repeats 3 types over 26 layers
     "gemma3n_text": {"num_kv_shared_layers": 4},  # of the shrunk 11 layers (its default, 15, shares them all)
     "gemma4_text": {"global_head_dim": 32},  # its full-attention layers' head size (per_layer_config; 512)
     "gemma4_unified_text": {"global_head_dim": 32},
@@ -291,10 +292,19 @@ def build_model(model_type: str, class_name: str, seed: int = 0, router_logits: 
         raise error
     model.crossed_settings = {}
     if crossed:
-        config, settings = cross_config(model.config, rope_dims(model))
-        if config is not None:
-            model = _instantiate(model_cls, config, attn, seed)
-            model.crossed_settings = settings
+        dims = rope_dims(model)
+        for runtime_rope in (True, False):  # a rope type its rotary class refuses at build (RecurrentGemma): without
+            config, settings = cross_config(model.config, dims, runtime_rope)
+            if config is None:
+                break
+            try:
+                crossed_model = _instantiate(model_cls, config, attn, seed)
+            except Exception:  # noqa: BLE001 - without the runtime rope, else its error
+                if not runtime_rope:
+                    raise
+                continue
+            crossed_model.crossed_settings = settings
+            return crossed_model
     return model
 
 

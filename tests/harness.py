@@ -47,6 +47,7 @@ HYBRID_FAMILIES = {
     "mamba2": "Mamba2Config",  # pure Mamba2, no attention (the sequence split only); its CausalLM drops position_ids
     "jamba": "JambaConfig",  # Mamba1 (selective scan, called without **kwargs) and attention, MoE with router loss
     "mamba": "MambaConfig",  # pure Mamba1: its model passes its layers no kwargs at all
+    "recurrent_gemma": "RecurrentGemmaConfig",  # RG-LRU (conv + diagonal recurrence) and local attention
 }
 PURE_SSM = {"mamba2", "mamba"}  # no attention: eager (no sdpa to set)
 # Families whose transformers forward of a position_ids-packed row differs from each document alone (hybrid layers'
@@ -71,6 +72,8 @@ MLA = dict(
     n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32, n_group=1, topk_group=1, **MOE,
 )  # fmt: skip
 FAMILY_OVERRIDES = {
+    # its window (12) under the rows; its conv across packed documents in transformers' own forward
+    "recurrent_gemma": dict(lru_width=64, block_types=["recurrent", "attention"], attention_window_size=12),
     "mamba2": dict(num_heads=8, head_dim=16, n_groups=1, state_size=16, expand=2, chunk_size=8),
     "mamba": dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=8),
     "jamba": dict(

@@ -4,6 +4,7 @@ shard through the SP kernel, against transformers' own kernel run on each docume
 from __future__ import annotations
 
 import datetime
+import functools
 
 import torch
 import torch.distributed as dist
@@ -11,12 +12,14 @@ from transformers.models.bamba import modeling_bamba as bamba
 from transformers.models.jamba import modeling_jamba as jamba
 from transformers.models.kimi_linear import modeling_kimi_linear as kimi_linear
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
+from transformers.models.recurrent_gemma import modeling_recurrent_gemma as recurrent_gemma
 
 from hf_sp_trainer.documents import document_bounds
 from hf_sp_trainer.mixers.causal_conv import sp_causal_conv1d
 from hf_sp_trainer.mixers.gated_deltanet import sp_chunk_gated_delta_rule
 from hf_sp_trainer.mixers.lightning import lightning_forward
 from hf_sp_trainer.mixers.mamba2 import sp_mamba2_chunk_scan
+from hf_sp_trainer.mixers.rg_lru import recurrent_block_forward, sp_rnn_scan
 from hf_sp_trainer.mixers.runs import shard_runs
 from hf_sp_trainer.mixers.selective_scan import sp_selective_scan
 from hf_sp_trainer.sharding import SequenceSharding
@@ -280,10 +283,57 @@ def check_lightning(
     out, _ = lightning_forward(layer, xl, None, runs, topo.sp_group, padding, relay=relay, carry_state=carry_state)
     (out * probe[:, index]).sum().backward()
     result = {"out": _rel(out.detach(), ref.detach()[:, index]), "x": _rel(xl.grad, x.grad[:, index])}
-    for name, p in layer.named_parameters():
-        dist.all_reduce(p.grad, group=topo.sp_group)
-        result[name] = _rel(p.grad, ref_grads[name])
-    return _max_over_ranks(result)
+    return _with_weight_grads(result, layer, ref_grads, topo.sp_group)
+
+
+def recurrent_block(seed: int = 0):
+    """A tiny RecurrentGemma recurrent block (width 16, 2 heads, conv width 4), its RG-LRU's decay weak (``a`` in
+    0.86-1 per token: the state reaches across documents and ranks)."""
+    config = recurrent_gemma.RecurrentGemmaConfig(
+        hidden_size=16, lru_width=16, num_attention_heads=2, conv1d_width=4, vocab_size=8
+    )
+    torch.manual_seed(seed)
+    block = recurrent_gemma.RecurrentGemmaRecurrentBlock(config, 0)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    with torch.no_grad():
+        block.rg_lru.recurrent_param.fill_(-4.0)
+    return block
+
+
+def check_rg_lru(
+    rows: list[list[int]], ring_size: int = 1, *, carry_state: bool = True, relay: bool = False
+) -> dict[str, float]:
+    """RecurrentGemma's recurrent block (conv + RG-LRU): output, input gradient and every weight's gradient (summed
+    over the SP ranks), SP (``recurrent_block_forward``, the scan carried by ``sp_rnn_scan``) vs the installed
+    forward on each document alone."""
+    topo, index, runs, total = _setup(rows, ring_size)
+    block = recurrent_block()
+    cls = type(block)
+    forward = getattr(cls.forward, "_hf_sp_original", cls.forward)
+    scan = getattr(type(block.rg_lru)._rnn_scan, "_hf_sp_original", type(block.rg_lru)._rnn_scan)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(len(rows), total, 16, generator=gen).requires_grad_()
+    probe = torch.randn(x.shape, generator=gen)
+    positions = torch.stack([torch.cat([torch.arange(e - s) for s, e in segments(docs)]) for docs in rows])
+    ref = _per_document(
+        lambda t, p: forward(block, t, position_ids=p, attention_mask=None, use_cache=False)[0], rows, 1, x, positions
+    )
+    (ref * probe).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in block.named_parameters()}
+    block.zero_grad()
+
+    def carried(hidden_states, recurrent_gate, reset, recurrent_states):  # this block's scan only (an attribute)
+        own = functools.partial(scan, block.rg_lru)
+        args = (hidden_states, recurrent_gate, reset, runs, topo.sp_group)
+        return sp_rnn_scan(own, *args, relay=relay, carry_state=carry_state), None
+
+    block.rg_lru._rnn_scan = carried
+    xl = x.detach()[:, index].clone().requires_grad_()
+    out, _ = recurrent_block_forward(block, xl, positions[:, index], runs, topo.sp_group, {})
+    (out * probe[:, index]).sum().backward()
+    result = {"out": _rel(out.detach(), ref.detach()[:, index]), "x": _rel(xl.grad, x.grad[:, index])}
+    return _with_weight_grads(result, block, ref_grads, topo.sp_group)
 
 
 def _no_initial_state(scan):
@@ -295,6 +345,14 @@ def _no_initial_state(scan):
     return without
 
 
+def _with_weight_grads(result: dict[str, float], module, ref_grads: dict, group) -> dict[str, float]:
+    """``result`` and every weight's gradient difference (summed over the SP ranks first), worst over the ranks."""
+    for name, p in module.named_parameters():
+        dist.all_reduce(p.grad, group=group)
+        result[name] = _rel(p.grad, ref_grads[name])
+    return _max_over_ranks(result)
+
+
 def _max_over_ranks(result: dict[str, float]) -> dict[str, float]:
     values = torch.tensor(list(result.values()), dtype=torch.float64)
     dist.all_reduce(values, op=dist.ReduceOp.MAX)
@@ -303,9 +361,9 @@ def _max_over_ranks(result: dict[str, float]) -> dict[str, float]:
 
 
 def run_checks(cases: list[tuple[str, str, dict]]) -> dict[str, dict[str, float]]:
-    """In a spawned group: ``(name, "gdn" | "conv" | "mamba2" | "lightning", kwargs)`` cases in turn -> each
+    """In a spawned group: ``(name, kind of ``checks``, kwargs)`` cases in turn -> each
     case's differences."""
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     checks = {"gdn": check_gdn, "conv": check_conv, "mamba2": check_mamba2, "lightning": check_lightning}
-    checks["selective"] = check_selective
+    checks |= {"selective": check_selective, "rg_lru": check_rg_lru}
     return {name: checks[kind](**kwargs) for name, kind, kwargs in cases}

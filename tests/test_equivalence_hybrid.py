@@ -44,6 +44,8 @@ WORLD2 = [
     Case("jamba_mamba1_grad_ckpt", family="jamba", sp_overrides=REENTRANT, model_overrides=NO_AUX, **SGD),
     Case("zero3_jamba_mamba1", family="jamba", backend="zero3", **SGD),
     Case("mamba1_pure_sgd_ga2", family="mamba", attn="eager", grad_accum=2, **SGD),  # no kwargs reach its layers
+    Case("recurrent_gemma_rg_lru_sgd_ga2", family="recurrent_gemma", grad_accum=2, **SGD),  # RG-LRU + local attention
+    Case("ring2_recurrent_gemma_rg_lru", family="recurrent_gemma", sp_overrides=RING2, **SGD),
 ]
 WORLD4 = [
     Case("sp4_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, **SGD),  # a document over >= 3 ranks
@@ -52,6 +54,7 @@ WORLD4 = [
     Case("sp4_minimax_lightning", family="minimax", sp_size=4, world_size=4, **SGD),
     Case("sp4_mamba2_pure", family="mamba2", attn="eager", sp_size=4, world_size=4, **SGD),
     Case("sp4_jamba_mamba1", family="jamba", sp_size=4, world_size=4, **SGD),
+    Case("sp4_recurrent_gemma_rg_lru", family="recurrent_gemma", sp_size=4, world_size=4, **SGD),
     # the router loss off: a whole-batch product of averages, it differs per DP group with or without SP
     Case("dp2sp2_jamba_mamba1", family="jamba", sp_size=2, world_size=4, grad_accum=2, model_overrides=NO_AUX, **SGD),
     Case("relay_hybrid2x2_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, sp_overrides=RING2 | RELAY, **SGD),
@@ -62,7 +65,7 @@ WORLD4 = [
 def test_reference_keeps_documents_apart_and_packing_would_not():
     """Negative control for the reference: transformers' packed forward of a hybrid model differs from its forward
     of each document alone (the state leaks), while the padded rows the references train on do not."""
-    for family in ("qwen3_5", "lfm2", "granitemoehybrid", "minimax", "jamba"):
+    for family in ("qwen3_5", "lfm2", "granitemoehybrid", "minimax", "jamba", "recurrent_gemma"):
         model = tiny_model(family).eval()
         g = torch.Generator().manual_seed(0)
         docs = [torch.randint(3, 128, (n,), generator=g) for n in (13, 9)]
@@ -111,7 +114,7 @@ def _sp1_run(family: str, collator, sp_trainer: bool, out_dir: str) -> dict:
     return {"losses": losses, "params": torch.cat([p.detach().flatten() for p in model.parameters()])}
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "minimax", "mamba2", "jamba", "mamba"])
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "minimax", "mamba2", "jamba", "mamba", "recurrent_gemma"])
 def test_sp_size_1_keeps_packed_documents_apart(family, tmp_path):
     """SPTrainer(sp_size=1) on position_ids-packed rows trains like plain Trainer on one document per row; plain
     Trainer on the same packed rows does not (transformers' hybrid layers leak across documents). Mamba2ForCausalLM

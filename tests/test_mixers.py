@@ -1,10 +1,10 @@
 """The hybrid mixers' SP kernels (``hf_sp_trainer.mixers``: conv halo, state passing for Gated DeltaNet, Kimi delta
-attention, Mamba1, Mamba2 and MiniMax's lightning attention) against transformers' own kernels run on each document
-alone, over the layouts where a cross-rank bug would show: a document starting inside a shard, exactly at a shard
-start, 1-2 tokens before it (inside the conv halo), one document over every shard, 1-token documents, shards shorter
-than the conv width, runs not aligned to the kernel's chunks, two rows with different documents; Ulysses (sp 2, 3, 4)
-and zigzag rings. Negative controls: state passing off and the halo off must fail the same comparison. ``relay_``
-cases: the state handed rank to rank (``tests/test_mixers_relay.py``)."""
+attention, Mamba1, Mamba2, MiniMax's lightning attention and RecurrentGemma's RG-LRU block) against transformers'
+own kernels run on each document alone, over the layouts where a cross-rank bug would show: a document starting
+inside a shard, exactly at a shard start, 1-2 tokens before it (inside the conv halo), one document over every
+shard, 1-token documents, shards shorter than the conv width, runs not aligned to the kernel's chunks, two rows with
+different documents; Ulysses (sp 2, 3, 4) and zigzag rings. Negative controls: state passing off and the halo off
+must fail the same comparison. ``relay_`` cases: the state handed rank to rank (``tests/test_mixers_relay.py``)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from tests.mixer_harness import run_checks
 from tests.test_mixers_lightning import lightning_cases
 from tests.test_mixers_mamba2 import mamba2_cases
 from tests.test_mixers_relay import relay_cases
+from tests.test_mixers_rg_lru import rg_lru_cases
 from tests.test_mixers_selective import selective_cases
 
 pytestmark = pytest.mark.matrix  # a big parametrised sweep over gloo worlds
@@ -70,7 +71,7 @@ def _cases(world: int) -> list[tuple[str, str, dict]]:
     if world == 2:
         cases += [(f"control_{name}", kind, kwargs) for name, (kind, kwargs) in CONTROLS.items()]
     for ring in (1, 2) if world == 4 else (1,):
-        cases += mamba2_cases(world, ring) + selective_cases(world, ring)
+        cases += mamba2_cases(world, ring) + selective_cases(world, ring) + rg_lru_cases(world, ring)
     for ring in (1, 2) if world != 3 else (1,):
         cases += lightning_cases(world, ring)
     return cases + relay_cases(world)

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below ar
 
 REFUSED = {  # model type, class: what the error must name
     "zaya": ("ZayaForCausalLM", ["Conv1d", "a convolution over the sequence"]),
-    "recurrent_gemma": ("RecurrentGemmaForCausalLM", ["RecurrentGemmaRecurrentBlock"]),
+    "xlstm": ("xLSTMForCausalLM", ["attention registry"]),
     "doge": ("DogeForCausalLM", ["DogeAttention", "computes its own mask"]),
     "deepseek_v32": ("DeepseekV32ForCausalLM", ["DeepseekV32Attention", "top-k selection"]),
     "bert-generation": ("BertGenerationDecoder", ["is_causal=False"]),
@@ -105,6 +105,7 @@ COVERED = {  # hybrid models whose mixers SP runs exactly (hf_sp_trainer.mixers.
     "mamba": ("MambaForCausalLM", "MambaMixer"),  # no attention: the sequence split only
     "falcon_mamba": ("FalconMambaForCausalLM", "FalconMambaMixer"),
     "zamba": ("ZambaForCausalLM", "ZambaMambaMixer"),  # Mamba1 heads, each its own scan
+    "recurrent_gemma": ("RecurrentGemmaForCausalLM", "RecurrentGemmaRecurrentBlock"),  # its conv and RG-LRU scan
     "minimax": ("MiniMaxForCausalLM", "MiniMaxLightningAttention"),  # no kernel function: its forward is swapped
 }
 

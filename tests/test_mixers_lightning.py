@@ -74,7 +74,7 @@ def test_forward_without_sp_is_transformers() -> None:
     """Outside an SP forward (no bounds) the swapped forward is the installed one; under SP a cache is refused."""
     layer, _ = lightning_layer()
     forward = getattr(type(layer).forward, "_hf_sp_original", type(layer).forward)
-    entry = MODULE_ENTRIES["MiniMaxLightningAttention"](forward)
+    entry = MODULE_ENTRIES["MiniMaxLightningAttention"][1](forward)
     x = torch.randn(1, 9, 16)
     with torch.no_grad():
         assert torch.equal(entry(layer, x, None, None)[0], forward(layer, x, None, None)[0])

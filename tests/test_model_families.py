@@ -24,7 +24,7 @@ MODELS_MD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 REGENERATE = "python scripts/gen_models_md.py"
 RING_SAMPLE = ("llama", "qwen3", "gemma3_text", "gemma4_text", "mistral", "phi3", "olmo2", "qwen3_moe", "doge")
 RING_SAMPLE += ("qwen3_5_text", "lfm2", "granitemoehybrid", "zamba2", "minimax")  # hybrids: two zigzag runs per rank
-RING_SAMPLE += ("jamba", "mamba")  # Mamba1: with attention, and none (the sequence split only)
+RING_SAMPLE += ("jamba", "mamba", "recurrent_gemma")  # Mamba1 with attention and without; RG-LRU
 STATUSES = ("exact", "refused", "out of scope", "can't build", "wrong", "crash")
 ACTS = 1e-4  # a crossed setting must change the reference by more than this, or it proved nothing
 # Crossed settings that a family's config has but its modeling code ignores (checked: they change nothing)

@@ -49,6 +49,7 @@ MIXTRAL = "transformers.models.mixtral.modeling_mixtral"
 MINIMAX = "transformers.models.minimax.modeling_minimax"
 JAMBA = "transformers.models.jamba.modeling_jamba"
 MAMBA = "transformers.models.mamba.modeling_mamba"
+RGEMMA = "transformers.models.recurrent_gemma.modeling_recurrent_gemma"
 GRPO, RLOO = "trl.trainer.grpo_trainer.GRPOTrainer", "trl.trainer.rloo_trainer.RLOOTrainer"
 SFT, DPO, KTO, REWARD = (
     "trl.trainer.sft_trainer.SFTTrainer",
@@ -113,6 +114,13 @@ CONTRACT: list[Member] = [
            params=("self", "hidden_states", "position_embeddings", "attention_mask", "cache")),
     Member(f"{MINIMAX}.apply_mask_to_padding_states", "mixers/lightning.py",
            params=("hidden_states", "attention_mask")),
+    Member(f"{RGEMMA}.RecurrentGemmaRecurrentBlock.forward", "mixers/swap.py swaps it (behaviour-checked)",
+           params=("self", "input_states", "position_ids", "attention_mask", "use_cache"),
+           refers=("linear_y", "linear_x", "conv_1d", "rg_lru", "act_fn", "linear_out", "conv1d_state")),
+    Member(f"{RGEMMA}.RecurrentGemmaRglru._rnn_scan", "mixers/swap.py swaps this private method (behaviour-checked)",
+           params=("self", "hidden_states", "recurrent_gate", "reset", "recurrent_states", "acc_dtype")),
+    Member(f"{RGEMMA}.RecurrentGemmaRglru.forward", "mixers/rg_lru.py calls it by keyword; it calls _rnn_scan",
+           params=("self", "activations", "position_ids"), refers=("_rnn_scan", "recurrent_states")),
     # -- TRL ---------------------------------------------------------------------------------------------------------
     Member("trl.trainer.utils.add_fused_lm_head", "losses/router.py also swaps Mixtral's function for it",
            refers=(MIXTRAL, "load_balancing_loss_func")),

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from ..sharding import SequenceSharding
 from .lightning import lightning_forward
 from .mamba2 import run_decay, step_sizes
+from .rg_lru import recurrent_block_forward
 from .runs import shard_runs
 from .selective_scan import discretised_steps, state_output
 
@@ -81,12 +82,12 @@ def check_kernel(module_name: str, name: str, fn: Callable, device: torch.device
             )
 
 
-def check_module(cls: type, forward: Callable) -> None:
-    """Raise unless the installed ``cls.forward`` still computes what its SP replacement computes (a small
+def check_module(cls: type, forward: Callable, attr: str = "forward") -> None:
+    """Raise unless the installed ``cls.<attr>`` still computes what its SP replacement computes (a small
     instance of ``cls`` on a CPU input: each document alone, as the replacement runs it at sp_size 1)."""
     if not _MODULE_CHECKS[cls.__name__](cls, forward):
         raise ValueError(
-            f"{cls.__module__}.{cls.__name__}.forward no longer computes what hf_sp_trainer's sequence-parallel "
+            f"{cls.__module__}.{cls.__name__}.{attr} no longer computes what hf_sp_trainer's sequence-parallel "
             "version of it assumes (this transformers version changed it); use sp_size=1 for this model or a "
             "supported transformers."
         )
@@ -114,7 +115,65 @@ def _lightning_ok(cls: type, forward: Callable) -> bool:
     return float((ours - alone).norm()) <= 1e-5 * float(alone.norm())
 
 
-_MODULE_CHECKS: dict[str, Callable[[type, Callable], bool]] = {"MiniMaxLightningAttention": _lightning_ok}
+def _recurrent_gemma(cls: type, *args) -> torch.nn.Module:
+    """A small ``cls`` (RecurrentGemma's recurrent block or RG-LRU: width 8, 2 heads) with random weights."""
+    config_cls = next(v for k, v in vars(sys.modules[cls.__module__]).items() if k.endswith("Config"))
+    config = config_cls(hidden_size=8, lru_width=8, num_attention_heads=2, conv1d_width=3, vocab_size=8)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        module = cls(config, *args).float()
+        for p in module.parameters():
+            torch.nn.init.normal_(p, std=0.5)
+    return module
+
+
+@functools.cache
+def _recurrent_block_ok(cls: type, forward: Callable) -> bool:
+    """Two documents (of 7 and 6 tokens) through the replacement at sp_size 1 equal the installed forward (without
+    a cache) on each alone."""
+    block, hidden = _recurrent_gemma(cls, 0), torch.randn(1, 13, 8, generator=torch.Generator().manual_seed(0))
+    docs = ((0, 7), (7, 13))
+    with torch.no_grad():
+        alone = [
+            forward(block, hidden[:, s:e], position_ids=torch.arange(e - s)[None], attention_mask=None, use_cache=False)
+            for s, e in docs
+        ]
+        positions = torch.cat([torch.arange(e - s) for s, e in docs])[None]
+        runs = shard_runs(torch.tensor([0, 7, 13]), 1, SequenceSharding(1), 0)
+        ours = recurrent_block_forward(block, hidden, positions, runs, None, {})[0]
+    return _close(ours, torch.cat([out for out, _ in alone], dim=1))
+
+
+@functools.cache
+def _rnn_scan_ok(cls: type, scan: Callable) -> bool:
+    """The RG-LRU scan is the diagonal recurrence SP folds: from a state ``S`` it adds ``cumprod(a) ⊙ S``, its final
+    state ``prod(a) ⊙ S``, and a split with the state handed over equals the whole run."""
+    gen = torch.Generator().manual_seed(0)
+    x, a, s0 = torch.randn(1, 9, 8, generator=gen), 0.4 + 0.5 * torch.rand(1, 9, 8, generator=gen), torch.randn(1, 8)
+    reset = torch.zeros(1, 9, 1, dtype=torch.bool)
+    layer = _recurrent_gemma(cls)
+
+    def run(lo: int, hi: int, state: torch.Tensor | None):
+        return scan(layer, hidden_states=x[:, lo:hi], recurrent_gate=a[:, lo:hi], reset=reset[:, lo:hi],
+                    recurrent_states=state)  # fmt: skip
+
+    whole, last = run(0, 9, s0)
+    zero, last_zero = run(0, 9, None)
+    head, mid = run(0, 4, s0)
+    rest, end = run(4, 9, mid)
+    return (
+        _close(whole, zero + a.cumprod(1) * s0[:, None])
+        and _close(last, last_zero + a.prod(1) * s0)
+        and _close(torch.cat([head, rest], 1), whole)
+        and _close(end, last)
+    )
+
+
+_MODULE_CHECKS: dict[str, Callable[[type, Callable], bool]] = {
+    "MiniMaxLightningAttention": _lightning_ok,
+    "RecurrentGemmaRecurrentBlock": _recurrent_block_ok,
+    "RecurrentGemmaRglru": _rnn_scan_ok,
+}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:

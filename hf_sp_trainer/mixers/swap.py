@@ -29,6 +29,7 @@ from .checks import CHECKS, check_fused_fallback, check_kernel, check_module, pa
 from .gated_deltanet import sp_chunk_gated_delta_rule
 from .lightning import lightning_forward
 from .mamba2 import sp_mamba2_chunk_scan
+from .rg_lru import recurrent_block_forward, sp_rnn_scan
 from .runs import shard_runs
 from .selective_scan import sp_selective_scan
 
@@ -201,6 +202,48 @@ def _lightning_entry(original: Callable) -> Callable:
     return forward
 
 
+def _recurrent_block_entry(original: Callable) -> Callable:
+    """RecurrentGemma's recurrent block: its conv as SP's causal conv, its RG-LRU run with the block's SP kwargs as
+    the innermost scope (the layer calls it without them), so its swapped scan carries the state."""
+
+    @functools.wraps(original)
+    def forward(self, input_states, position_ids, attention_mask, use_cache=True, **kwargs):
+        scope = {k: kwargs[k] for k in (BOUNDS_KWARG, SP_KWARG) if k in kwargs} or scoped_sp_kwargs()
+        bounds, ctx = _sp_call(kwargs)
+        if ctx is None:
+            return original(
+                self, input_states, position_ids=position_ids, attention_mask=attention_mask, use_cache=use_cache,
+                **kwargs,
+            )  # fmt: skip
+        if use_cache:
+            raise ValueError("RecurrentGemma under sequence parallelism runs without a cache (use_cache=False).")
+        runs = ctx.runs(bounds, input_states.shape[0])
+        with recompute_region():
+            return recurrent_block_forward(self, input_states, position_ids, runs, ctx.group, scope)
+
+    return forward
+
+
+def _rnn_scan_entry(original: Callable) -> Callable:
+    """The RG-LRU's scan (``RecurrentGemmaRglru._rnn_scan``), called without kwargs: SP's come from the scope."""
+
+    @functools.wraps(original)
+    def _rnn_scan(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype=torch.float32):
+        bounds, ctx = _sp_call({})
+        if ctx is None:
+            return original(
+                self, hidden_states=hidden_states, recurrent_gate=recurrent_gate, reset=reset,
+                recurrent_states=recurrent_states, acc_dtype=acc_dtype,
+            )  # fmt: skip
+        if recurrent_states is not None:
+            raise ValueError("RecurrentGemma under sequence parallelism runs without a cache (use_cache=False).")
+        runs = ctx.runs(bounds, hidden_states.shape[0])
+        scan = functools.partial(original, self, acc_dtype=acc_dtype)
+        return sp_rnn_scan(scan, hidden_states, recurrent_gate, reset, runs, ctx.group, relay=ctx.relay), None
+
+    return _rnn_scan
+
+
 def _kernel_check(module_name: str, name: str, device, fn: Callable) -> None:
     """``check_kernel``: the installed kernel still computes what its SP version relies on (a small input, on the
     CPU and where the kernel its hub wrapper dispatches to runs)."""
@@ -217,8 +260,12 @@ ENTRIES: dict[str, Callable[[Callable], Callable]] = {
     "mamba_inner_fn": _unfused_entry,
 }
 assert set(ENTRIES) == set(SP_KERNELS), "detect.SP_KERNELS must name exactly the swapped kernels"
-# Mixer classes whose forward is swapped (no kernel function to hook): class name -> entry
-MODULE_ENTRIES: dict[str, Callable[[Callable], Callable]] = {"MiniMaxLightningAttention": _lightning_entry}
+# Mixer classes with no kernel function to hook: class name -> (the method swapped, its entry, why)
+MODULE_ENTRIES: dict[str, tuple[str, Callable[[Callable], Callable], str]] = {
+    "MiniMaxLightningAttention": ("forward", _lightning_entry, "the exact SP lightning attention"),
+    "RecurrentGemmaRecurrentBlock": ("forward", _recurrent_block_entry, "the exact SP conv of the RG-LRU block"),
+    "RecurrentGemmaRglru": ("_rnn_scan", _rnn_scan_entry, "the exact SP RG-LRU scan (state passed across ranks)"),
+}
 assert set(MODULE_ENTRIES) == set(SP_MODULES), "detect.SP_MODULES must name exactly the swapped classes"
 _FIX = "Use sp_size=1 for this model, or the transformers version hf_sp_trainer is tested with."
 _REASONS: dict[Callable, str] = {
@@ -261,15 +308,10 @@ def attach_mixers(model: torch.nn.Module, documents: DocumentHook, state_passing
             swapped.append(f"{module_name}.{name}")
     for cls in sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__):
         if cls.__name__ in MODULE_ENTRIES:
-            patches.patch(
-                cls,
-                "forward",
-                wrap=MODULE_ENTRIES[cls.__name__],
-                check=functools.partial(check_module, cls),
-                reason="the exact SP version of this mixer's forward (lightning attention, no kernel function to hook)",
-                fix=_FIX,
-            )
-            swapped.append(f"{cls.__module__}.{cls.__name__}.forward")
+            attr, entry, why = MODULE_ENTRIES[cls.__name__]
+            check = functools.partial(check_module, cls, attr=attr)
+            patches.patch(cls, attr, wrap=entry, check=check, reason=f"{why} (no kernel function to hook)", fix=_FIX)
+            swapped.append(f"{cls.__module__}.{cls.__name__}.{attr}")
     if reached_through_scope(model):
         scope_checkpointed_layers(model)  # a checkpoint recompute finds SP's kwargs where the forward found them
     documents.context["mixers"] = MixerContext(documents.topology, documents.sharding, state_passing)
@@ -295,4 +337,5 @@ def check_mixer_kernels(model: torch.nn.Module) -> None:
                 check_kernel(module_name, name, patches.original(module, name), device)
     for cls in {type(m) for m in model.modules()}:
         if cls.__name__ in MODULE_ENTRIES:
-            check_module(cls, patches.original(cls, "forward"))
+            attr = MODULE_ENTRIES[cls.__name__][0]
+            check_module(cls, patches.original(cls, attr), attr=attr)

@@ -48,9 +48,10 @@ SP_KERNELS = (
     "mamba_selective_scan",
     "mamba_inner_fn",
 )
-# Mixer classes with no kernel function to hook, whose forward hf_sp_trainer.mixers.swap replaces with an exact SP
-# version (checked against the installed forward): MiniMax's lightning attention.
-SP_MODULES = ("MiniMaxLightningAttention",)
+# Mixer classes with no kernel function to hook, a method of which hf_sp_trainer.mixers.swap replaces with an exact SP
+# version (checked against the installed one): MiniMax's lightning attention; RecurrentGemma's recurrent block (its
+# conv) and RG-LRU (its scan).
+SP_MODULES = ("MiniMaxLightningAttention", "RecurrentGemmaRecurrentBlock", "RecurrentGemmaRglru")
 # Kernels of cached decoding only (unreachable under SP, which runs without a cache; swapped to raise if reached).
 DECODE_ONLY_KERNELS = (
     "causal_conv1d_update",
@@ -68,7 +69,8 @@ MIXING_FUNCTION = re.compile(r"conv|delta|scan|selective|recurren|lightning|ssd|
 MASK_ONLY_WINDOWS = {"PhimoeAttention": "sliding_window"}
 HYBRID_ADVICE = (
     "Use sp_size=1 for this model (hf_sp_trainer.mixers runs Gated DeltaNet, Kimi delta attention, Mamba1, Mamba2, "
-    "short convolutions and MiniMax's lightning attention exactly under SP; this layer is none of those)."
+    "short convolutions, MiniMax's lightning attention and RecurrentGemma's RG-LRU exactly under SP; this layer is "
+    "none of those)."
 )
 
 

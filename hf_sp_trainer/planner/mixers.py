@@ -1,6 +1,6 @@
 """What the hybrid layers' mixers save per local token and per layer under SP, for the memory model (``planner``):
 Gated DeltaNet (Qwen3.5, Qwen3-Next) and LFM2's short conv. Counts follow transformers' torch code paths; other
-mixers (Mamba1, Mamba2, lightning, Kimi delta attention) are refused by name (``check_modeled_layers``)."""
+mixers (Mamba1, Mamba2, lightning, Kimi delta attention, RG-LRU) are refused by name (``check_modeled_layers``)."""
 
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ def check_modeled_layers(text, name: str) -> None:
     if unmodeled := unmodeled_layers(text):
         raise ValueError(
             f"{name}: the memory model has no count for its layer types {unmodeled}: it models attention, Gated "
-            "DeltaNet (Qwen3.5, Qwen3-Next) and short-conv (LFM2) layers; Mamba1, Mamba2, Kimi delta and lightning "
-            "attention layers (which transformers also types 'linear_attention') are not modeled yet. Measure such a "
-            "model with scripts/bench_memory.py."
+            "DeltaNet (Qwen3.5, Qwen3-Next) and short-conv (LFM2) layers; Mamba1, Mamba2, Kimi delta, lightning "
+            "attention and RG-LRU layers (which transformers also types 'linear_attention') are not modeled yet. "
+            "Measure such a model with scripts/bench_memory.py."
         )
 
 
