@@ -7,7 +7,8 @@ the ``W - 1`` inputs before it prepended. Each case splits one document at ``spl
 device's kernels (flash-linear-attention / causal-conv1d when installed: transformers' hub wrappers pick them),
 and compares output, final state and input gradients with the unsplit call on the same device; the unsplit call is
 also compared with the CPU fp32 torch kernel. Mamba1's selective scan (mamba-ssm's CUDA ``selective_scan_fn`` when
-installed) takes no initial state: its split adds the closed-form correction SP uses. fp32 with TF32 off and on, bf16.
+installed) takes no initial state: its split adds the closed-form correction SP uses; so does RecurrentGemma's
+RG-LRU scan (torch only). fp32 with TF32 off and on, bf16.
 """
 
 from __future__ import annotations
@@ -114,11 +115,46 @@ def _selective_case(scan, device, dtype, sizes) -> dict[str, float]:
     return result
 
 
+def _rg_lru_case(scan, device, dtype, sizes) -> dict[str, float]:
+    """RecurrentGemma's RG-LRU scan: a document split at ``split``; the rest from zero plus ``cumprod(a) ⊙ S`` of the
+    state it continues from (``rg_lru.sp_rnn_scan``'s correction), against the unsplit scan."""
+    total, split, width = sizes[0], sizes[1], sizes[2] * sizes[4]
+    gen = torch.Generator().manual_seed(0)
+    x, a = torch.randn(1, total, width, generator=gen), 0.9 + 0.1 * torch.rand(1, total, width, generator=gen)
+    reset = torch.zeros(1, total, 1, dtype=torch.bool)
+    probe = torch.randn(x.shape, generator=gen)
+
+    def run(dev, dt):
+        return [t.to(dev, dt, copy=True).requires_grad_() for t in (x, a)]
+
+    def call(x_, a_, state=None):
+        return scan(None, hidden_states=x_, recurrent_gate=a_, reset=reset[:, : x_.shape[1]].to(x_.device),
+                    recurrent_states=state)  # fmt: skip
+
+    ref_cpu, _ = call(*run("cpu", torch.float32))
+    full_in = run(device, dtype)
+    full, final = call(*full_in)
+    (full.float() * probe.to(device)).sum().backward()
+    parts = run(device, dtype)
+    out1, state = call(parts[0][:, :split], parts[1][:, :split])
+    rest_a = parts[1][:, split:]
+    out2, last2 = call(parts[0][:, split:], rest_a)
+    out2 = out2 + (rest_a.float().cumprod(1) * state[:, None]).to(out2.dtype)
+    got_final = rest_a.float().prod(1) * state + last2
+    got = torch.cat([out1, out2], 1)
+    (got.float() * probe.to(device)).sum().backward()
+    result = {"vs_cpu_fp32": _rel(full, ref_cpu), "split_out": _rel(got, full), "split_final": _rel(got_final, final)}
+    for name, p, f in zip(("x", "a"), parts, full_in, strict=True):
+        result[f"split_d{name}"] = _rel(p.grad, f.grad)
+    return result
+
+
 def hybrid_checks(device: torch.device, dry: bool) -> dict[str, Any]:
     """Every case: ``{name: max_rel figures}`` (or the error), with which kernels transformers picked."""
     from transformers.models.jamba import modeling_jamba as jamba
     from transformers.models.kimi_linear import modeling_kimi_linear as kimi
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+    from transformers.models.recurrent_gemma import modeling_recurrent_gemma as rgemma
 
     original = lambda f: getattr(f, "_hf_sp_original", f)  # noqa: E731 - transformers' own, not SP's swap
     sizes = (40, 23, 2, 8, 6) if dry else (4096, 2500, 8, 128, 128)  # tokens, split, heads, k dim, v dim
@@ -137,6 +173,7 @@ def hybrid_checks(device: torch.device, dry: bool) -> dict[str, Any]:
             "kda": (_delta_rule_case, original(kimi.chunk_kimi_delta_attention), True),
             "conv": (_conv_case, original(qwen.causal_conv1d_fn)),
             "mamba1_scan": (_selective_case, original(jamba.mamba_selective_scan)),
+            "rg_lru_scan": (_rg_lru_case, original(rgemma.RecurrentGemmaRglru._rnn_scan)),
         }
         for name, (case, *args) in cases.items():
             try:

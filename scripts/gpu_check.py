@@ -11,9 +11,9 @@ b_fused_loss: Liger's fused linear cross-entropy (if installed) and the chunked 
 c_offload: a small Llama step with gradient checkpointing, ``HostOffload`` on vs off: bitwise equality, peak memory.
 d_long_context: one step (sp 1, bf16, AdamW, tiled MLP + fused loss + sequence-aware checkpointing) of a
 Llama-3.1-8B-shaped model with 2 and 4 layers at 64K-256K tokens; the 32-layer extrapolation (its model is in the JSON).
-e_hybrid: the hybrid layers' kernels (GDN, KDA, causal conv, Mamba1's scan; FLA / causal-conv1d / mamba-ssm when
-installed) split the way SP splits a document (state summaries, conv halo) vs unsplit, and vs the CPU torch kernels;
-fp32, TF32, bf16 (``_gpu_hybrid.py``).
+e_hybrid: the hybrid layers' kernels (GDN, KDA, causal conv, Mamba1's and RG-LRU's scans; FLA / causal-conv1d /
+mamba-ssm when installed) split the way SP splits a document (state summaries, conv halo) vs unsplit, and vs the CPU
+torch kernels; fp32, TF32, bf16 (``_gpu_hybrid.py``).
 f_vlm: a whole VLM step (Qwen2-VL-shaped, a packed row of three documents with images) under SP at sp 1 and at sp 2
 (two processes on the one GPU over gloo; media whole and split) vs each document alone, fp32 and bf16: loss and every
 gradient, the vision tower's included; and one long multimodal row's peak memory per rank (``_gpu_vlm.py``).

@@ -75,12 +75,13 @@ def test_dry_run_report(tmp_path):
     assert extrapolation["longest_tokens_32_layers"] is None or extrapolation["longest_tokens_32_layers"] >= 0
 
     hybrid = _ok(report, "e_hybrid")  # the kernels split as SP splits a document (CPU: fp32 only)
-    for name in ("gdn_fp32", "kda_fp32", "conv_fp32", "mamba1_scan_fp32"):
+    for name in ("gdn_fp32", "kda_fp32", "conv_fp32", "mamba1_scan_fp32", "rg_lru_scan_fp32"):
         assert "error" not in hybrid[name], (name, hybrid[name])
         assert max(hybrid[name].values()) <= EXACT, (name, hybrid[name])
     assert {"split_out", "split_final", "split_dg", "split_dbeta"} <= hybrid["gdn_fp32"].keys()
-    grads = [v for case in ("gdn_fp32", "kda_fp32", "mamba1_scan_fp32") for k, v in hybrid[case].items() if "_d" in k]
-    assert len(grads) == 15 and min(grads) > 0, hybrid  # split and unsplit inputs are distinct tensors (not one)
+    cases = ("gdn_fp32", "kda_fp32", "mamba1_scan_fp32", "rg_lru_scan_fp32")
+    grads = [v for case in cases for k, v in hybrid[case].items() if "_d" in k]
+    assert len(grads) == 17 and min(grads) > 0, hybrid  # split and unsplit inputs are distinct tensors (not one)
 
     vlm = _ok(report, "f_vlm")  # a whole VLM step: sp 1, sp 2 (media whole and split) vs each document alone
     for name in ("exact_sp1_float32", "exact_sp2_float32", "exact_sp2_float32_split"):
