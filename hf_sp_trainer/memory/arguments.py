@@ -74,8 +74,8 @@ class MemoryArguments:
         default="full",
         metadata={
             "help": "With activation (gradient) checkpointing: 'full' recomputes each decoder layer in backward; "
-            "'sequence_aware' saves the attention outputs and the all-to-all results and recomputes the cheap "
-            "O(seq) ops. 'sequence_aware' needs non-reentrant checkpointing (ValueError otherwise).",
+            "'sequence_aware' saves the attention kernels' outputs (O(seq^2) to recompute) and recomputes the rest, "
+            "the Ulysses all-to-alls included; it needs non-reentrant checkpointing (ValueError otherwise).",
             "choices": ["full", "sequence_aware"],
         },
     )

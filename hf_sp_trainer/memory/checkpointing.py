@@ -4,12 +4,13 @@ With ``activation_checkpointing`` every decoder layer runs through ``layer._grad
 ``torch.utils.checkpoint.checkpoint``). ``enable_checkpoint_features`` wraps that function:
 
 - ``checkpoint_policy="sequence_aware"`` passes a selective-checkpoint ``context_fn`` whose policy saves the outputs
-  of the sequence-level ops, the ones whose recomputation costs ``O(s^2)`` work or communication: the attention
-  kernels (SDPA backends, flash-attn, flex attention; ``bmm`` / ``softmax`` of eager attention) and the Ulysses
-  all-to-alls (the ``hf_sp_trainer::all_to_all`` and ``::all_to_all_packed`` ops); every other op (projections,
-  MLP, norms, RoPE: ``O(s)``) is recomputed, and so is everything inside a hybrid mixer (``recompute_region``: its
-  chunk matmuls are ``O(s)``).
-  Exact: saved values are the ones the recomputation would produce.
+  of the ops whose recomputation costs ``O(s^2)`` work: the attention kernels (SDPA backends, flash-attn, flex
+  attention, SP's block kernels; ``bmm`` / ``softmax`` of eager attention), in their SP layout (the sequence whole,
+  the heads split), which shrinks with sp. Every other op is recomputed: projections, MLP, norms, RoPE (``O(s)``),
+  everything inside a hybrid mixer (``recompute_region``: its chunk matmuls are ``O(s)``), and the Ulysses
+  all-to-alls. Keeping their results too (q, k, v and the output, full-sequence for a slice of heads) would make the
+  memory saved per rank *grow* with sp for the same length; re-running them costs one more exchange per layer in the
+  backward. Exact: saved values are the ones the recomputation would produce.
 - ``checkpoint_offloading`` moves what the checkpoint itself saves, the layer's input hidden states, to host memory
   (``offload.HostOffload``); on CPU there is no device memory to free and it is a no-op (with a warning).
 """
@@ -27,7 +28,6 @@ from transformers.utils import logging
 
 from .. import patches
 from ..attention.ring import ring_attention_op
-from ..comm.all_to_all import all_to_all_op, all_to_all_packed_op
 from ..documents import current_scope, run_in_scope
 from ..model.decoder import decoder_layers
 from .offload import HostOffload
@@ -53,10 +53,9 @@ _ATEN_SAVED = (
 
 @functools.cache
 def saved_ops() -> frozenset:
-    """The ops whose outputs ``sequence_aware`` saves (matched by identity; flash-attn kernels by name)."""
+    """The ops whose outputs ``sequence_aware`` saves (matched by identity; flash-attn kernels by name). Not the
+    all-to-alls (``comm.all_to_all``): recomputed, so the saved bytes per rank shrink with sp."""
     ops = {getattr(torch.ops.aten, name).default for name in _ATEN_SAVED if hasattr(torch.ops.aten, name)}
-    ops.add(all_to_all_op._opoverload)
-    ops.add(all_to_all_packed_op._opoverload)  # q, k and v in one exchange
     ops.add(ring_attention_op._opoverload)  # the block kernels of Ulysses (CPU sdpa/eager, varlen) and of the ring
     flex = getattr(torch.ops.higher_order, "flex_attention", None)
     if flex is not None:

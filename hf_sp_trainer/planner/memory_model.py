@@ -269,9 +269,7 @@ def _layer_activations(m: ModelShape, s: Setting, ulysses: int, ring: int, token
     full = (norms + attn + mlp) * tokens
     stored = 0.0  # sequence_aware: kept from the forward instead of recomputed
     if s.checkpointing == "sequence_aware":
-        stored = q * b * (ring + 1) / 2  # the kernel's output (each ring block's, ~ (ring + 1) / 2 per query)
-        stored += (2 * q + 2 * kv) * b if ulysses > 1 else 0  # the all-to-all results: q, k, v and the output
-        stored *= tokens
+        stored = q * b * (ring + 1) / 2 * tokens  # the kernel's output (each ring block's, ~ (ring + 1) / 2 per query)
     checkpoint = h * b * tokens
     saved = {"none": full, "full": checkpoint, "sequence_aware": checkpoint + stored}[s.checkpointing]
     recompute = 0.0 if s.checkpointing == "none" else full - stored
@@ -385,7 +383,7 @@ def longest_length(m: ModelShape, s: Setting, budget_bytes: float) -> int:
 
 
 # The memory-stack combinations of the planner's table (Setting fields), each row adding one feature; the last row is
-# everything with checkpoint_policy="sequence_aware" (which keeps the attention outputs and all-to-all results).
+# everything with checkpoint_policy="sequence_aware" (which keeps the attention kernels' outputs).
 STACKS: dict[str, dict] = {
     "no checkpointing": {"checkpointing": "none"},
     "checkpointing": {"checkpointing": "full"},
