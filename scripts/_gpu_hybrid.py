@@ -23,6 +23,27 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30))
 
 
+def _split_vs_whole(names, inputs, probe, whole, split, device, dtype) -> dict[str, float]:
+    """``whole(tensors) -> (output, final state)`` on CPU fp32 and on ``device`` / ``dtype``, ``split(tensors)`` (the
+    same, computed as SP splits the document) on fresh copies of ``inputs``: the output's, final state's and every
+    input gradient's ``max_rel`` (each copy its own leaf, so no gradient is compared with itself)."""
+
+    def copies(dev, dt):
+        return [t.to(dev, dt, copy=True).requires_grad_() for t in inputs]
+
+    ref_cpu, _ = whole(copies("cpu", torch.float32))
+    full_in = copies(device, dtype)
+    full, final = whole(full_in)
+    (full.float() * probe.to(device)).sum().backward()
+    parts = copies(device, dtype)
+    got, got_final = split(parts)
+    (got.float() * probe.to(device)).sum().backward()
+    result = {"vs_cpu_fp32": _rel(full, ref_cpu), "split_out": _rel(got, full), "split_final": _rel(got_final, final)}
+    for name, a, b in zip(names, parts, full_in, strict=True):
+        result[f"split_d{name}"] = _rel(a.grad, b.grad)
+    return result
+
+
 def _delta_rule_case(core, kda: bool, device, dtype, sizes) -> dict[str, float]:
     total, split, heads, k_dim, v_dim = sizes
     gen = torch.Generator().manual_seed(0)
@@ -34,33 +55,25 @@ def _delta_rule_case(core, kda: bool, device, dtype, sizes) -> dict[str, float]:
     probe = torch.randn(v.shape, generator=gen)
     opts = dict(use_qk_l2norm_in_kernel=True)
 
-    def run(dev, dt):
-        inputs = [t.to(dev, dt, copy=True).requires_grad_() for t in (q, k, v, g, beta)]
-        return inputs
+    def whole(t):
+        return core(*t, output_final_state=True, **opts)
 
-    cpu = run("cpu", torch.float32)
-    ref_cpu, _ = core(*cpu, output_final_state=True, **opts)
-    full_in = run(device, dtype)
-    full, final = core(*full_in, output_final_state=True, **opts)
-    (full.float() * probe.to(device)).sum().backward()
-    parts = run(device, dtype)
-    first = [t[:, :split] for t in parts]
-    rest = [t[:, split:] for t in parts]
-    out1, state = core(*first, output_final_state=True, **opts)
-    widened = torch.cat([rest[2], rest[2].new_zeros(*rest[2].shape[:-1], k_dim)], -1)
-    eye = torch.eye(k_dim, device=device)
-    init = torch.cat([eye.new_zeros(k_dim, v_dim), eye], -1).expand(1, heads, k_dim, -1).contiguous()
-    out2, summary = core(
-        rest[0], rest[1], widened, rest[3], rest[4], initial_state=init, output_final_state=True, **opts
-    )
-    correction, _ = core(rest[0], rest[1], torch.zeros_like(rest[2]), rest[3], rest[4], initial_state=state, **opts)
-    got = torch.cat([out1, out2[..., :v_dim] + correction], 1)
-    got_final = summary[..., v_dim:] @ state.float() + summary[..., :v_dim]
-    (got.float() * probe.to(device)).sum().backward()
-    result = {"vs_cpu_fp32": _rel(full, ref_cpu), "split_out": _rel(got, full), "split_final": _rel(got_final, final)}
-    for name, a, b in zip(("q", "k", "v", "g", "beta"), parts, full_in, strict=True):
-        result[f"split_d{name}"] = _rel(a.grad, b.grad)
-    return result
+    def as_sp(parts):  # the widened [v | 0] call from [0 | I], and the correction from the incoming state
+        first = [t[:, :split] for t in parts]
+        rest = [t[:, split:] for t in parts]
+        out1, state = core(*first, output_final_state=True, **opts)
+        widened = torch.cat([rest[2], rest[2].new_zeros(*rest[2].shape[:-1], k_dim)], -1)
+        eye = torch.eye(k_dim, device=device)
+        init = torch.cat([eye.new_zeros(k_dim, v_dim), eye], -1).expand(1, heads, k_dim, -1).contiguous()
+        out2, summary = core(
+            rest[0], rest[1], widened, rest[3], rest[4], initial_state=init, output_final_state=True, **opts
+        )
+        zeros = torch.zeros_like(rest[2])
+        correction, _ = core(rest[0], rest[1], zeros, rest[3], rest[4], initial_state=state, **opts)
+        got = torch.cat([out1, out2[..., :v_dim] + correction], 1)
+        return got, summary[..., v_dim:] @ state.float() + summary[..., :v_dim]
+
+    return _split_vs_whole(("q", "k", "v", "g", "beta"), (q, k, v, g, beta), probe, whole, as_sp, device, dtype)
 
 
 def _conv_case(conv, device, dtype, sizes) -> dict[str, float]:
@@ -88,31 +101,22 @@ def _selective_case(scan, device, dtype, sizes) -> dict[str, float]:
     D, bias = torch.randn(d, generator=gen), torch.randn(d, generator=gen) * 0.1 - 2
     probe = torch.randn(1, d, total, generator=gen)
 
-    def run(dev, dt):
-        return [t.to(dev, dt, copy=True).requires_grad_() for t in (u, delta, B, C, z)]
-
-    def call(x, dt_, b, c, z_, last: bool):
+    def call(x, dt_, b, c, z_):
         return scan(x, dt_, A.to(x.device), b, c, D=D.to(x.device), z=z_, delta_bias=bias.to(x.device),
-                    delta_softplus=True, return_last_state=last)  # fmt: skip
+                    delta_softplus=True, return_last_state=True)  # fmt: skip
 
-    ref_cpu, _ = call(*run("cpu", torch.float32), True)
-    full_in = run(device, dtype)
-    full, final = call(*full_in, True)
-    (full.float() * probe.to(device)).sum().backward()
-    parts = run(device, dtype)
-    out1, state = call(*(t[..., :split] for t in parts), True)
-    rest = [t[..., split:] for t in parts]
-    out2, last2 = call(*rest, True)
-    steps = discretised_steps(rest[1], bias.to(device), True)
-    gate = torch.nn.functional.silu(rest[4].float())
-    out2 = out2 + (state_output(A.to(device), steps, rest[3], state.float()) * gate).to(out2.dtype)
-    got_final = torch.exp(A.to(device)[None] * steps.sum(-1)[..., None]) * state.float() + last2.float()
-    got = torch.cat([out1, out2], -1)
-    (got.float() * probe.to(device)).sum().backward()
-    result = {"vs_cpu_fp32": _rel(full, ref_cpu), "split_out": _rel(got, full), "split_final": _rel(got_final, final)}
-    for name, a, b in zip(("u", "delta", "B", "C", "z"), parts, full_in, strict=True):
-        result[f"split_d{name}"] = _rel(a.grad, b.grad)
-    return result
+    def as_sp(parts):  # the rest from zero, plus the closed-form output of the state it continues from
+        out1, state = call(*(t[..., :split] for t in parts))
+        rest = [t[..., split:] for t in parts]
+        out2, last2 = call(*rest)
+        steps = discretised_steps(rest[1], bias.to(device), True)
+        gate = torch.nn.functional.silu(rest[4].float())
+        out2 = out2 + (state_output(A.to(device), steps, rest[3], state.float()) * gate).to(out2.dtype)
+        final = torch.exp(A.to(device)[None] * steps.sum(-1)[..., None]) * state.float() + last2.float()
+        return torch.cat([out1, out2], -1), final
+
+    names, inputs = ("u", "delta", "B", "C", "z"), (u, delta, B, C, z)
+    return _split_vs_whole(names, inputs, probe, lambda t: call(*t), as_sp, device, dtype)
 
 
 def _rg_lru_case(scan, device, dtype, sizes) -> dict[str, float]:
@@ -124,29 +128,18 @@ def _rg_lru_case(scan, device, dtype, sizes) -> dict[str, float]:
     reset = torch.zeros(1, total, 1, dtype=torch.bool)
     probe = torch.randn(x.shape, generator=gen)
 
-    def run(dev, dt):
-        return [t.to(dev, dt, copy=True).requires_grad_() for t in (x, a)]
-
     def call(x_, a_, state=None):
         return scan(None, hidden_states=x_, recurrent_gate=a_, reset=reset[:, : x_.shape[1]].to(x_.device),
                     recurrent_states=state)  # fmt: skip
 
-    ref_cpu, _ = call(*run("cpu", torch.float32))
-    full_in = run(device, dtype)
-    full, final = call(*full_in)
-    (full.float() * probe.to(device)).sum().backward()
-    parts = run(device, dtype)
-    out1, state = call(parts[0][:, :split], parts[1][:, :split])
-    rest_a = parts[1][:, split:]
-    out2, last2 = call(parts[0][:, split:], rest_a)
-    out2 = out2 + (rest_a.float().cumprod(1) * state[:, None]).to(out2.dtype)
-    got_final = rest_a.float().prod(1) * state + last2
-    got = torch.cat([out1, out2], 1)
-    (got.float() * probe.to(device)).sum().backward()
-    result = {"vs_cpu_fp32": _rel(full, ref_cpu), "split_out": _rel(got, full), "split_final": _rel(got_final, final)}
-    for name, p, f in zip(("x", "a"), parts, full_in, strict=True):
-        result[f"split_d{name}"] = _rel(p.grad, f.grad)
-    return result
+    def as_sp(parts):  # the rest from zero, plus cumprod(a) of the state it continues from
+        out1, state = call(parts[0][:, :split], parts[1][:, :split])
+        rest_a = parts[1][:, split:]
+        out2, last2 = call(parts[0][:, split:], rest_a)
+        out2 = out2 + (rest_a.float().cumprod(1) * state[:, None]).to(out2.dtype)
+        return torch.cat([out1, out2], 1), rest_a.float().prod(1) * state + last2
+
+    return _split_vs_whole(("x", "a"), (x, a), probe, lambda t: call(*t), as_sp, device, dtype)
 
 
 def hybrid_checks(device: torch.device, dry: bool) -> dict[str, Any]:
