@@ -1,50 +1,72 @@
 """GPU check of the hybrid layers' kernels as SP uses them (``hf_sp_trainer.mixers``), for ``gpu_check.py``.
 
 SP splits a document over runs and relies on two kernel facts: the chunked delta rule (GDN, KDA) is affine in its
-initial state column by column (one call on values ``[v | 0]`` from ``[0 | I]`` gives a run's output, final state and
-transition ``M``), with the gradient reaching the initial state; and the causal conv equals itself on a run with
+initial state column by column (one call on values ``[v | 0]`` from ``[0 | I]`` gives a run's output, final state
+and transition ``M``), with the gradient reaching the initial state; and the causal conv equals itself on a run with
 the ``W - 1`` inputs before it prepended. Each case splits one document at ``split``, runs the SP algorithm on the
-device's kernels (flash-linear-attention / causal-conv1d when installed: transformers' hub wrappers pick them),
-and compares output, final state and input gradients with the unsplit call on the same device; the unsplit call is
-also compared with the CPU fp32 torch kernel. Mamba1's selective scan (mamba-ssm's CUDA ``selective_scan_fn`` when
-installed) takes no initial state: its split adds the closed-form correction SP uses; so does RecurrentGemma's
-RG-LRU scan (torch only). fp32 with TF32 off and on, bf16.
+device's kernels (flash-linear-attention / causal-conv1d when installed: transformers' hub wrappers pick them), and
+compares output, final state and input gradients with the unsplit call on the same device; the unsplit call is also
+compared with transformers' torch kernel in fp32 (TF32 off) on the same device. Mamba1's selective scan (mamba-ssm's
+CUDA ``selective_scan_fn`` when installed) takes no initial state: its split adds the closed-form correction SP
+uses; so does RecurrentGemma's RG-LRU scan (torch only). fp32 with TF32 off and on, bf16.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import sys
 from typing import Any
 
 import torch
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30))
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()  # the CPU reference meets device results here
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
 
 
-def _split_vs_whole(names, inputs, probe, whole, split, device, dtype) -> dict[str, float]:
-    """``whole(tensors) -> (output, final state)`` on CPU fp32 and on ``device`` / ``dtype``, ``split(tensors)`` (the
-    same, computed as SP splits the document) on fresh copies of ``inputs``: the output's, final state's and every
-    input gradient's ``max_rel`` (each copy its own leaf, so no gradient is compared with itself)."""
+def _torch_only(function):
+    """transformers' own torch function: SP's swap and transformers' hub / package dispatch (FLA, causal-conv1d,
+    mamba-ssm: ``use_kernel_func_from_hub_with_fallback`` wraps the torch function with ``functools.wraps``) peeled."""
+    function = getattr(function, "_hf_sp_original", function)
+    return getattr(function, "__wrapped__", function)
+
+
+def _torch_reference(reference, inputs, device):
+    """transformers' torch kernel in fp32 with TF32 off, on ``device`` (the CPU would take minutes at these sizes)."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.no_grad():
+            return reference([t.to(device, torch.float32, copy=True) for t in inputs])[0]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+def _split_vs_whole(names, inputs, probe, whole, split, device, dtype, reference) -> dict[str, float]:
+    """``whole(tensors) -> (output, final state)`` on ``device`` / ``dtype`` and ``reference`` (the same with the torch
+    kernel, fp32), ``split(tensors)`` (``whole`` computed as SP splits the document) on fresh copies of ``inputs``:
+    the output's, final state's and every input gradient's ``max_rel`` (each copy its own leaf, so no gradient is
+    compared with itself)."""
 
     def copies(dev, dt):
         return [t.to(dev, dt, copy=True).requires_grad_() for t in inputs]
 
-    ref_cpu, _ = whole(copies("cpu", torch.float32))
+    ref = _torch_reference(reference, inputs, device)
     full_in = copies(device, dtype)
     full, final = whole(full_in)
     (full.float() * probe.to(device)).sum().backward()
     parts = copies(device, dtype)
     got, got_final = split(parts)
     (got.float() * probe.to(device)).sum().backward()
-    result = {"vs_cpu_fp32": _rel(full, ref_cpu), "split_out": _rel(got, full), "split_final": _rel(got_final, final)}
+    result = {"vs_torch_fp32": _rel(full, ref), "split_out": _rel(got, full), "split_final": _rel(got_final, final)}
     for name, a, b in zip(names, parts, full_in, strict=True):
         result[f"split_d{name}"] = _rel(a.grad, b.grad)
     return result
 
 
-def _delta_rule_case(core, kda: bool, device, dtype, sizes) -> dict[str, float]:
+def _delta_rule_case(core, torch_core, kda: bool, device, dtype, sizes) -> dict[str, float]:
     total, split, heads, k_dim, v_dim = sizes
     gen = torch.Generator().manual_seed(0)
     k_heads = heads if kda else max(1, heads // 2)
@@ -73,10 +95,12 @@ def _delta_rule_case(core, kda: bool, device, dtype, sizes) -> dict[str, float]:
         got = torch.cat([out1, out2[..., :v_dim] + correction], 1)
         return got, summary[..., v_dim:] @ state.float() + summary[..., :v_dim]
 
-    return _split_vs_whole(("q", "k", "v", "g", "beta"), (q, k, v, g, beta), probe, whole, as_sp, device, dtype)
+    names, inputs = ("q", "k", "v", "g", "beta"), (q, k, v, g, beta)
+    reference = lambda t: torch_core(*t, output_final_state=True, **opts)  # noqa: E731
+    return _split_vs_whole(names, inputs, probe, whole, as_sp, device, dtype, reference)
 
 
-def _conv_case(conv, device, dtype, sizes) -> dict[str, float]:
+def _conv_case(conv, torch_conv, device, dtype, sizes) -> dict[str, float]:
     total, split, channels = sizes[0], sizes[1], sizes[2] * sizes[4]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, channels, total, generator=gen)
@@ -84,11 +108,11 @@ def _conv_case(conv, device, dtype, sizes) -> dict[str, float]:
     dev = [t.to(device, dtype) for t in (x, w, b)]
     full = conv(dev[0], dev[1], dev[2], activation="silu")
     halo = conv(dev[0][:, :, split - 3 :], dev[1], dev[2], activation="silu")[:, :, 3:]
-    ref_cpu = conv(x, w, b, activation="silu")
-    return {"vs_cpu_fp32": _rel(full, ref_cpu), "split_out": _rel(halo, full[:, :, split:])}
+    ref = _torch_reference(lambda t: (torch_conv(*t, activation="silu"),), (x, w, b), device)
+    return {"vs_torch_fp32": _rel(full, ref), "split_out": _rel(halo, full[:, :, split:])}
 
 
-def _selective_case(scan, device, dtype, sizes) -> dict[str, float]:
+def _selective_case(scan, torch_scan, device, dtype, sizes) -> dict[str, float]:
     """Mamba1: a document split at ``split``; the rest scanned from zero plus the closed-form correction of the state
     it continues from (``selective_scan.state_output``), against the unsplit scan (output, final state, gradients)."""
     from hf_sp_trainer.mixers.selective_scan import discretised_steps, state_output
@@ -101,9 +125,9 @@ def _selective_case(scan, device, dtype, sizes) -> dict[str, float]:
     D, bias = torch.randn(d, generator=gen), torch.randn(d, generator=gen) * 0.1 - 2
     probe = torch.randn(1, d, total, generator=gen)
 
-    def call(x, dt_, b, c, z_):
-        return scan(x, dt_, A.to(x.device), b, c, D=D.to(x.device), z=z_, delta_bias=bias.to(x.device),
-                    delta_softplus=True, return_last_state=True)  # fmt: skip
+    def call(x, dt_, b, c, z_, kernel=scan):
+        return kernel(x, dt_, A.to(x.device), b, c, D=D.to(x.device), z=z_, delta_bias=bias.to(x.device),
+                      delta_softplus=True, return_last_state=True)  # fmt: skip
 
     def as_sp(parts):  # the rest from zero, plus the closed-form output of the state it continues from
         out1, state = call(*(t[..., :split] for t in parts))
@@ -116,10 +140,11 @@ def _selective_case(scan, device, dtype, sizes) -> dict[str, float]:
         return torch.cat([out1, out2], -1), final
 
     names, inputs = ("u", "delta", "B", "C", "z"), (u, delta, B, C, z)
-    return _split_vs_whole(names, inputs, probe, lambda t: call(*t), as_sp, device, dtype)
+    reference = lambda t: call(*t, kernel=torch_scan)  # noqa: E731
+    return _split_vs_whole(names, inputs, probe, lambda t: call(*t), as_sp, device, dtype, reference)
 
 
-def _rg_lru_case(scan, device, dtype, sizes) -> dict[str, float]:
+def _rg_lru_case(scan, torch_scan, device, dtype, sizes) -> dict[str, float]:
     """RecurrentGemma's RG-LRU scan: a document split at ``split``; the rest from zero plus ``cumprod(a) ⊙ S`` of the
     state it continues from (``rg_lru.sp_rnn_scan``'s correction), against the unsplit scan."""
     total, split, width = sizes[0], sizes[1], sizes[2] * sizes[4]
@@ -128,9 +153,9 @@ def _rg_lru_case(scan, device, dtype, sizes) -> dict[str, float]:
     reset = torch.zeros(1, total, 1, dtype=torch.bool)
     probe = torch.randn(x.shape, generator=gen)
 
-    def call(x_, a_, state=None):
-        return scan(None, hidden_states=x_, recurrent_gate=a_, reset=reset[:, : x_.shape[1]].to(x_.device),
-                    recurrent_states=state)  # fmt: skip
+    def call(x_, a_, state=None, kernel=scan):
+        return kernel(None, hidden_states=x_, recurrent_gate=a_, reset=reset[:, : x_.shape[1]].to(x_.device),
+                      recurrent_states=state)  # fmt: skip
 
     def as_sp(parts):  # the rest from zero, plus cumprod(a) of the state it continues from
         out1, state = call(parts[0][:, :split], parts[1][:, :split])
@@ -139,7 +164,8 @@ def _rg_lru_case(scan, device, dtype, sizes) -> dict[str, float]:
         out2 = out2 + (rest_a.float().cumprod(1) * state[:, None]).to(out2.dtype)
         return torch.cat([out1, out2], 1), rest_a.float().prod(1) * state + last2
 
-    return _split_vs_whole(("x", "a"), (x, a), probe, lambda t: call(*t), as_sp, device, dtype)
+    reference = lambda t: call(*t, kernel=torch_scan)  # noqa: E731
+    return _split_vs_whole(("x", "a"), (x, a), probe, lambda t: call(*t), as_sp, device, dtype, reference)
 
 
 def hybrid_checks(device: torch.device, dry: bool) -> dict[str, Any]:
@@ -161,17 +187,18 @@ def hybrid_checks(device: torch.device, dry: bool) -> dict[str, Any]:
     for label, dtype, tf32 in modes if device.type == "cuda" else modes[:1]:
         torch.backends.cuda.matmul.allow_tf32 = tf32
         torch.backends.cudnn.allow_tf32 = tf32
-        cases = {
-            "gdn": (_delta_rule_case, original(qwen.torch_chunk_gated_delta_rule), False),
-            "kda": (_delta_rule_case, original(kimi.chunk_kimi_delta_attention), True),
-            "conv": (_conv_case, original(qwen.causal_conv1d_fn)),
-            "mamba1_scan": (_selective_case, original(jamba.mamba_selective_scan)),
-            "rg_lru_scan": (_rg_lru_case, original(rgemma.RecurrentGemmaRglru._rnn_scan)),
+        cases = {  # (case, the kernel transformers dispatches to, its torch function, ...)
+            "gdn": (_delta_rule_case, qwen.torch_chunk_gated_delta_rule, False),
+            "kda": (_delta_rule_case, kimi.chunk_kimi_delta_attention, True),
+            "conv": (_conv_case, qwen.causal_conv1d_fn),
+            "mamba1_scan": (_selective_case, jamba.mamba_selective_scan),
+            "rg_lru_scan": (_rg_lru_case, rgemma.RecurrentGemmaRglru._rnn_scan),
         }
-        for name, (case, *args) in cases.items():
+        for name, (case, kernel, *args) in cases.items():
             try:
-                out[f"{name}_{label}"] = case(*args, device, dtype, sizes)
+                out[f"{name}_{label}"] = case(original(kernel), _torch_only(kernel), *args, device, dtype, sizes)
             except Exception as exc:  # noqa: BLE001 - one failing kernel must not hide the others
                 out[f"{name}_{label}"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            print(f"[e_hybrid] {name}_{label}: {json.dumps(out[f'{name}_{label}'])}", file=sys.stderr, flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     return out

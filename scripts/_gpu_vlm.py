@@ -42,6 +42,7 @@ def _model(layers: int, device: torch.device, dtype: torch.dtype, big: bool):
     if big:  # Qwen2-VL-7B's decoder widths, a 4-block tower of its width
         config.text_config.update(dict(hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                                        num_key_value_heads=4, vocab_size=32768))  # fmt: skip
+        config.text_config.rope_parameters["mrope_section"] = [16, 24, 24]  # Qwen2-VL-7B's: head dim 128
         config.vision_config.update(dict(depth=4, embed_dim=1280, num_heads=16, hidden_size=3584))
     torch.manual_seed(0)
     model = Qwen2VLForConditionalGeneration._from_config(config, attn_implementation="sdpa", dtype=dtype)

@@ -8,11 +8,12 @@ the per-document sdpa path, torch ``varlen_attn``, flash-attn varlen, the ring b
 causal, full, and "future": the rest of a Gemma3 image);
 the ring op with attention sinks and with MLA head dims (q/k 192, v 128) on each kernel (``_gpu_attention.py``).
 b_fused_loss: Liger's fused linear cross-entropy (if installed) and the chunked loss vs the plain loss.
-c_offload: a small Llama step with gradient checkpointing, ``HostOffload`` on vs off: bitwise equality, peak memory.
+c_offload: a small Llama step with gradient checkpointing, ``HostOffload`` on vs off (and off twice, the kernels' own
+run-to-run noise): loss bitwise, gradients within that noise, peak memory.
 d_long_context: one step (sp 1, bf16, AdamW, tiled MLP + fused loss + sequence-aware checkpointing) of a
 Llama-3.1-8B-shaped model with 2 and 4 layers at 64K-256K tokens; the 32-layer extrapolation (its model is in the JSON).
 e_hybrid: the hybrid layers' kernels (GDN, KDA, causal conv, Mamba1's and RG-LRU's scans; FLA / causal-conv1d /
-mamba-ssm when installed) split the way SP splits a document (state summaries, conv halo) vs unsplit, and vs the CPU
+mamba-ssm when installed) split the way SP splits a document (state summaries, conv halo) vs unsplit, and vs the fp32
 torch kernels; fp32, TF32, bf16 (``_gpu_hybrid.py``).
 f_vlm: a whole VLM step (Qwen2-VL-shaped, a packed row of three documents with images) under SP at sp 1 and at sp 2
 (two processes on the one GPU over gloo; media whole and split) vs each document alone, fp32 and bf16: loss and every
@@ -108,6 +109,11 @@ def diffs(names: tuple[str, ...], got, ref, dtype: torch.dtype) -> dict[str, Any
             err = (g.detach().double() - r.detach().double()).abs().max().item()
             out[name] = {"max_abs": err, "max_rel": err / max(r.detach().double().abs().max().item(), 1e-30)}
     return out | {"within_tol": all(v["max_rel"] <= TOL[dtype] for v in out.values())}
+
+
+def max_rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.detach().double()
+    return (got.detach().double() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-30)
 
 
 def error(exc: BaseException) -> dict[str, str]:
@@ -307,19 +313,28 @@ def check_offload(ctx: Ctx) -> dict:
     model = small_llama(ctx, layers, vocab_size=1024, max_position_embeddings=seq, **sizes)
     ids = torch.randint(0, 1024, (1, seq), device=ctx.device)
     hooks = HostOffload() if ctx.cuda else HostOffload("cpu", min_bytes=0)  # "cpu": the same hooks, synchronous
-    runs = {}
-    for name, offload in (("off", None), ("on", hooks), ("on_again", hooks)):
+    runs = {}  # "off_again": the control: how far two identical steps differ on this device's kernels
+    for name, offload in (("off", None), ("off_again", None), ("on", hooks), ("on_again", hooks)):
         wrap_checkpointed_layers(model, None, offload)
         model.zero_grad(set_to_none=True)
         loss, peak, seconds = ctx.measure(lambda: backward(model(input_ids=ids, labels=ids).loss))
-        runs[name] = (loss, [p.grad.clone() for p in model.parameters()], peak, seconds)
+        grads = [p.grad.to("cpu", copy=True) for p in model.parameters()]  # kept off the device: peaks comparable
+        runs[name] = (loss.to("cpu", copy=True), grads, peak, seconds)
+    model.zero_grad(set_to_none=True)
     out: dict[str, Any] = {"layers": layers, "seq": seq, **sizes, "offloaded_tensors": hooks.packed}
-    for name in ("on", "on_again"):
-        same = all(torch.equal(a, b) for a, b in zip(runs[name][1], runs["off"][1], strict=True))
-        out[name] = {"loss_bitwise_equal": torch.equal(runs[name][0], runs["off"][0]), "grads_bitwise_equal": same}
+    for name in ("off_again", "on", "on_again"):
+        pairs = list(zip(runs[name][1], runs["off"][1], strict=True))
+        out[name] = {
+            "loss_bitwise_equal": torch.equal(runs[name][0], runs["off"][0]),
+            "grads_bitwise_equal": all(torch.equal(a, b) for a, b in pairs),
+            "grads_max_rel": max(max_rel(a, b) for a, b in pairs),
+        }
     out.update(peak_mb={n: r[2] for n, r in runs.items()}, seconds={n: r[3] for n, r in runs.items()})
     out["checkpoints_mb"] = layers * seq * hidden * (2 if ctx.cuda else 4) / 2**20  # what offloading can free
-    out["within_tol"] = all(all(out[n].values()) for n in ("on", "on_again"))
+    noise = out["off_again"]["grads_max_rel"]  # nonzero where the backward kernels accumulate in a varying order
+    out["within_tol"] = all(
+        out[n]["loss_bitwise_equal"] and out[n]["grads_max_rel"] <= 4 * noise for n in ("on", "on_again")
+    )
     if not ctx.cuda:
         out["note"] = "CPU: host offload frees no device memory; only the hooks' exactness is checked"
     return out
@@ -437,14 +452,15 @@ def run_isolated(name: str, opts, deadline: float) -> dict:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--out", path, "--deadline", str(deadline),
                "--lengths", *map(str, opts.lengths), *(["--dry-run"] if opts.dry_run else [])]  # fmt: skip
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, deadline - time.time()))
+            # stderr passes through: a check's progress lines reach the log even when it is killed at the deadline
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, timeout=max(1.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
             return {"status": "timeout", "note": "killed at the global budget", "seconds": round(time.time() - start)}
         if os.path.exists(path):
             with open(path) as f:
                 return json.load(f)
     return {"status": "error", "error": f"the check's process exited with {done.returncode} and no result",
-            "log_tail": (done.stdout + done.stderr)[-4000:], "seconds": round(time.time() - start, 2)}  # fmt: skip
+            "stdout_tail": done.stdout[-4000:], "seconds": round(time.time() - start, 2)}  # fmt: skip
 
 
 def environment(device: torch.device) -> dict:
