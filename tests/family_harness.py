@@ -105,6 +105,13 @@ FAMILY_EXTRA = {
     "gemma3n_text": {"num_kv_shared_layers": 4},  # of the shrunk 11 layers (its default, 15, shares them all)
     "gemma4_text": {"global_head_dim": 32},  # its full-attention layers' head size (per_layer_config; 512)
     "gemma4_unified_text": {"global_head_dim": 32},
+    # DSA: with 4 indexer heads, 1 pair in 16 scores exactly 0 (every head's relu zero), and keys tied at the k-th
+    # place are picked by topk's tie order, which differs between a document alone and a whole row; 16 heads (real
+    # models have 32-64) leave no such ties under these rows
+    "deepseek_v32": {"index_n_heads": 16},
+    "axk2": {"index_n_heads": 16},
+    "dots3_note_text": {"index_n_heads": 16},
+    "glm_moe_dsa": {"index_n_heads": 16, "indexer_types": ["full", "shared"] * 2},  # shared: the full one's top-k
     "qwen4_exp_text": dict(
         indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4
     ),  # fmt: skip
@@ -205,7 +212,7 @@ def tiny_configs(model_type: str, router_logits: bool = True):
         while len(set(value[:n_layers])) < len(set(value)):
             n_layers += 1
     kwargs["num_hidden_layers"] = n_layers
-    kwargs.update({k: v[:n_layers] for k, v in per_layer.items()})
+    kwargs.update({k: v[:n_layers] for k, v in per_layer.items() if k not in FAMILY_EXTRA.get(model_type, {})})
     kwargs.update({k: [i for i in v if i < n_layers] for k, v in indices.items()})
     for k in ("first_k_dense_replace", "num_dense_layers"):  # keep one dense layer, route the rest
         if k in known and isinstance(getattr(default, k, None), int):

@@ -35,6 +35,8 @@ MOE_FAMILIES = {  # not dense per-token MLPs (tiled_mlp refuses them)
     "deepseek_v3": "DeepseekV3Config",  # MLA: q/k head dim 24 != v head dim 16; MoE after a dense first layer
     "glm4_moe_lite": "Glm4MoeLiteConfig",  # GLM-4.7-Flash: MLA, MoE after a dense first layer
     "llama4": "Llama4TextConfig",  # chunked attention, NoPE layers with a temperature, MoE
+    "deepseek_v32": "DeepseekV32Config",  # MLA + DSA: an indexer's top-k keys per query (attention.dsa)
+    "glm_moe_dsa": "GlmMoeDsaConfig",  # GLM-5: DSA with interleaved indexer RoPE, a layer reusing another's top-k
 }
 # Hybrid models (their linear / SSM / conv layers run exactly under SP through hf_sp_trainer.mixers). transformers'
 # own single-process forward leaks their state across position_ids-packed documents, so their references train on
@@ -97,6 +99,16 @@ FAMILY_OVERRIDES = {
     ),  # fmt: skip
     "deepseek_v3": dict(first_k_dense_replace=1, rope_parameters=dict(YARN, mscale_all_dim=1.0), **MLA),  # mscale
     "glm4_moe_lite": dict(mlp_layer_types=["dense", "sparse"], **MLA),
+    # top-6 keys per query, under every document (16 indexer heads: no exact score ties at the 6th place)
+    "deepseek_v32": dict(first_k_dense_replace=1, index_n_heads=16, index_head_dim=16, index_topk=6, **MLA),
+    "glm_moe_dsa": dict(
+        mlp_layer_types=["dense", "sparse"],
+        indexer_types=["full", "shared"],
+        index_n_heads=16,
+        index_head_dim=16,
+        index_topk=6,
+        **MLA,
+    ),  # fmt: skip
     "llama4": dict(
         num_hidden_layers=4,  # layers 0-2: rope, chunked attention; layer 3: NoPE, full attention, temperature
         moe_layers=[],  # dense: its top-1 router would turn fp32 round-off into other experts over SGD steps

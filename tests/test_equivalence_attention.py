@@ -10,6 +10,7 @@ from tests.harness import EXACT, Case, check_sp_case, run_distributed, sp_runs_b
 pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
 
 RING2 = {"sp_ring_size": 2}
+SGD = dict(optim="sgd", steps=4)  # weights after SGD steps: Adam would turn fp32 noise into ±lr steps
 # gpt-oss builds its masks without position_ids, so the single-process reference attends across packed documents:
 # one sequence per batch there (packed documents with sinks: tests/test_ring_attention.py).
 GPT_OSS = dict(family="gpt_oss", attn="eager", batch_size=1, eval_batch_size=1, steps=4)
@@ -24,11 +25,14 @@ WORLD2 = [
     Case("ring2_deepseek_v3_mla", family="deepseek_v3", sp_overrides=RING2),
     Case("glm4_moe_lite_mla", family="glm4_moe_lite", attn="eager"),
     Case("ring2_glm4_moe_lite_mla", family="glm4_moe_lite", sp_overrides=RING2),
+    Case("deepseek_v32_dsa_sgd_ga2", family="deepseek_v32", grad_accum=2, **SGD),  # the indexer's top-k over ranks
+    Case("glm_moe_dsa_shared_topk", family="glm_moe_dsa", **SGD),  # its second layer reuses the first's top-k
 ]
 WORLD4 = [
     Case("sp4_gpt_oss_sinks_kv_rep", **GPT_OSS, sp_size=4, world_size=4),  # 2 kv heads over 4 ranks
     Case("hybrid2x2_gpt_oss_sinks", **GPT_OSS, sp_size=4, world_size=4, sp_overrides=RING2),
     Case("sp4_deepseek_v3_mla", family="deepseek_v3", sp_size=4, world_size=4),
+    Case("sp4_deepseek_v32_dsa", family="deepseek_v32", sp_size=4, world_size=4, **SGD),
 ]
 
 

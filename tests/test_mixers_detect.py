@@ -18,7 +18,7 @@ REFUSED = {  # model type, class: what the error must name
     "zaya": ("ZayaForCausalLM", ["Conv1d", "a convolution over the sequence"]),
     "xlstm": ("xLSTMForCausalLM", ["attention registry"]),
     "doge": ("DogeForCausalLM", ["DogeAttention", "computes its own mask"]),
-    "deepseek_v32": ("DeepseekV32ForCausalLM", ["DeepseekV32Attention", "top-k selection"]),
+    "minimax_m3_vl_text": ("MiniMaxM3VLForCausalLM", ["MiniMaxM3VLAttention", "top-k selection"]),  # block top-k
     "bert-generation": ("BertGenerationDecoder", ["is_causal=False"]),
 }
 EXACT = {
@@ -28,6 +28,9 @@ EXACT = {
     "phimoe": "PhimoeForCausalLM",  # its window lives only in the mask: SP passes it (MASK_ONLY_WINDOWS)
     "nemotron": "NemotronForCausalLM",  # attention called without **kwargs: SP relays its kwargs past the layer
     "stablelm": "StableLmForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",  # DSA: its attention and indexer swapped (attention/dsa.py)
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+    "dots3_note_text": "Dots3NoteForCausalLM",  # DSA on its indexed layers, sliding-window MLA on the others
 }
 
 

@@ -50,6 +50,11 @@ MINIMAX = "transformers.models.minimax.modeling_minimax"
 JAMBA = "transformers.models.jamba.modeling_jamba"
 MAMBA = "transformers.models.mamba.modeling_mamba"
 RGEMMA = "transformers.models.recurrent_gemma.modeling_recurrent_gemma"
+V32 = "transformers.models.deepseek_v32.modeling_deepseek_v32"
+GLM5 = "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa"
+AXK2 = "transformers.models.axk2.modeling_axk2"
+DOTS3 = "transformers.models.dots3_note.modeling_dots3_note"
+INDEXER = ("n_heads", "head_dim", "qk_rope_head_dim", "index_topk", "wq_b", "wk", "k_norm", "weights_proj")
 GRPO, RLOO = "trl.trainer.grpo_trainer.GRPOTrainer", "trl.trainer.rloo_trainer.RLOOTrainer"
 SFT, DPO, KTO, REWARD = (
     "trl.trainer.sft_trainer.SFTTrainer",
@@ -121,6 +126,17 @@ CONTRACT: list[Member] = [
            params=("self", "hidden_states", "recurrent_gate", "reset", "recurrent_states", "acc_dtype")),
     Member(f"{RGEMMA}.RecurrentGemmaRglru.forward", "mixers/rg_lru.py calls it by keyword; it calls _rnn_scan",
            params=("self", "activations", "position_ids"), refers=("_rnn_scan", "recurrent_states")),
+    *(Member(f"{m}.{cls}Attention.forward", "mixers/swap.py swaps it (behaviour-checked): a mask placeholder",
+             params=("self", "hidden_states", "position_embeddings", "attention_mask", "cache"),
+             refers=("indexer", "attention_mask", "sparse_indices", "topk_indices"))
+      for m, cls in ((V32, "DeepseekV32"), (GLM5, "GlmMoeDsa"), (AXK2, "AXK2"), (DOTS3, "Dots3NoteText"))),
+    *(Member(f"{m}.{cls}Indexer.forward", "mixers/swap.py swaps it; attention/dsa.py recomputes its projection",
+             params=("self", "hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids",
+                     "cache"), refers=(*INDEXER, rope, "softmax_scale"))
+      for m, cls, rope in ((V32, "DeepseekV32", "apply_rotary_pos_emb"),
+                           (GLM5, "GlmMoeDsa", "apply_rotary_pos_emb_interleave"),
+                           (AXK2, "AXK2", "apply_rotary_pos_emb"),
+                           (DOTS3, "Dots3NoteText", "apply_rotary_pos_emb_interleave"))),
     # -- TRL ---------------------------------------------------------------------------------------------------------
     Member("trl.trainer.utils.add_fused_lm_head", "losses/router.py also swaps Mixtral's function for it",
            refers=(MIXTRAL, "load_balancing_loss_func")),

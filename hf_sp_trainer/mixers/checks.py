@@ -15,7 +15,9 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
 
+from ..attention.dsa import PROJECTIONS, document_causal, selected_attention, sp_index_topk
 from ..sharding import SequenceSharding
 from .lightning import lightning_forward
 from .mamba2 import run_decay, step_sizes
@@ -29,6 +31,7 @@ from .selective_scan import discretised_steps, state_output
 DISPATCHED = ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention", "mamba2_chunk_scan")
 # Dispatched to a CUDA extension (mamba-ssm's ``selective_scan_fn``: no Triton, so not under the interpreter either).
 CUDA_DISPATCHED = ("mamba_selective_scan",)
+DSA_CHECK_KEY = "hf_sp_dsa_check"  # the attention key DSA's check registers (a plain kernel on the selected keys)
 
 
 def check_fused_fallback(fn: Callable) -> None:
@@ -169,7 +172,99 @@ def _rnn_scan_ok(cls: type, scan: Callable) -> bool:
     )
 
 
+def _dsa_parts(cls: type):
+    """A small DeepSeek-V3.2-shaped config of ``cls``'s modeling module (top-4 of 9- and 11-token documents; 8
+    indexer heads: no score ties at the 4th place), ``cls(config, 0)`` with random weights, its rotary embedding."""
+    modeling = sys.modules[cls.__module__]
+    family = cls.__name__.removesuffix("Attention").removesuffix("Indexer")  # e.g. Dots3NoteText
+    config_cls = getattr(modeling, f"{family}Config", None) or next(
+        v for k, v in vars(modeling).items() if k.endswith("Config") and isinstance(v, type)
+    )
+    sizes = dict(
+        hidden_size=32, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=8,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, index_n_heads=8, index_head_dim=8, index_topk=4,
+        num_hidden_layers=1, intermediate_size=16, vocab_size=8,
+    )  # fmt: skip
+    if "layer_types" in getattr(config_cls, "__dataclass_fields__", {}):  # Dots3-Note: DSA on its indexed layers
+        sizes["layer_types"] = ["indexed_attention"]
+    config = config_cls(**sizes)
+    config._attn_implementation = "eager"  # HY-V4's sinks: eager only
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        module = cls(config, 0).float().eval()
+        for p in module.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+    rotary = next(v for k, v in vars(modeling).items() if k.endswith("RotaryEmbedding"))(config)
+    if "layer_type" in inspect.signature(rotary.forward).parameters:  # per layer type (Dots3-Note)
+        return module, functools.partial(rotary, layer_type=config.layer_types[0])
+    return module, rotary
+
+
+def _causal(n: int) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+@functools.cache
+def _dsa_indexer_ok(cls: type, forward: Callable) -> bool:
+    """Two packed documents (9 and 11 tokens) through ``sp_index_topk`` (no group) select, among each query's visible
+    keys, the keys the installed indexer selects on each document alone."""
+    indexer, rotary = _dsa_parts(cls)
+    gen = torch.Generator().manual_seed(0)
+    hidden, q_resid = torch.randn(1, 20, 32, generator=gen), torch.randn(1, 20, 16, generator=gen)
+    docs = ((0, 9), (9, 20))
+    with torch.no_grad():
+        expected = torch.zeros(20, 20, dtype=torch.bool)
+        for s, e in docs:
+            n = e - s
+            embeddings = rotary(hidden[:, s:e], torch.arange(n)[None])
+            picks = forward(indexer, hidden[:, s:e], q_resid[:, s:e], embeddings, _causal(n)[None], None)
+            chosen = torch.zeros(n, n, dtype=torch.bool).scatter_(-1, picks[0].long(), True)
+            expected[s:e, s:e] = chosen & _causal(n)
+        positions = torch.cat([torch.arange(e - s) for s, e in docs])[None]
+        projected = PROJECTIONS[cls.__name__](indexer, hidden, q_resid, rotary(hidden, positions))
+        bounds = torch.tensor([0, 9, 20])
+        picks = sp_index_topk(indexer, projected, bounds, None, 0)
+        got = torch.zeros(20, 20, dtype=torch.bool).scatter_(-1, picks[0].long(), True)
+        got &= document_causal(bounds, 1, 20, torch.arange(20))[0]
+    return bool(expected.any()) and torch.equal(got, expected)
+
+
+@functools.cache
+def _dsa_attention_ok(cls: type, forward: Callable) -> bool:
+    """The installed forward hands its indexer's top-k to a non-eager kernel as ``indices=`` (given the mask it
+    slices for the indexer): with ``selected_attention`` as that kernel it equals its own eager path on a document."""
+    layer, rotary = _dsa_parts(cls)
+    hidden = torch.randn(1, 11, 32, generator=torch.Generator().manual_seed(0))
+    embeddings, bounds = rotary(hidden, torch.arange(11)[None]), torch.tensor([0, 11])
+    causal = torch.zeros(11, 11).masked_fill(~_causal(11), torch.finfo(torch.float32).min)[None, None]  # additive
+
+    handed = []
+
+    def kernel(module, q, k, v, mask, dropout=0.0, scaling=None, indices=None, s_aux=None, **kwargs):
+        handed.append(indices is not None)
+        if indices is None:  # what SP's attention would then attend: every visible key
+            indices = torch.arange(q.shape[2]).expand(q.shape[0], q.shape[2], -1)
+        return selected_attention(q, k, v, indices, bounds, scaling, sinks=s_aux), None
+
+    AttentionInterface.register(DSA_CHECK_KEY, kernel)
+    with torch.no_grad():
+        reference = forward(layer, hidden_states=hidden, position_embeddings=embeddings, attention_mask=causal)[0]
+        layer.config._attn_implementation = DSA_CHECK_KEY
+        ours = forward(layer, hidden_states=hidden, position_embeddings=embeddings, attention_mask=causal)[0]
+    return handed == [True] and _close(ours, reference)
+
+
 _MODULE_CHECKS: dict[str, Callable[[type, Callable], bool]] = {
+    "DeepseekV32Attention": _dsa_attention_ok,
+    "DeepseekV32Indexer": _dsa_indexer_ok,
+    "GlmMoeDsaAttention": _dsa_attention_ok,
+    "GlmMoeDsaIndexer": _dsa_indexer_ok,
+    "AXK2Attention": _dsa_attention_ok,
+    "AXK2Indexer": _dsa_indexer_ok,
+    "HYV4Attention": _dsa_attention_ok,
+    "HYV4Indexer": _dsa_indexer_ok,
+    "Dots3NoteTextAttention": _dsa_attention_ok,
+    "Dots3NoteTextIndexer": _dsa_indexer_ok,
     "MiniMaxLightningAttention": _lightning_ok,
     "RecurrentGemmaRecurrentBlock": _recurrent_block_ok,
     "RecurrentGemmaRglru": _rnn_scan_ok,

@@ -1,0 +1,184 @@
+"""DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5, AXK2, Dots3-Note; HY-V4's parts) under Ulysses SP, exact.
+
+DSA attends each query to the top-k keys of its document's causal prefix, chosen by a lightning indexer: one shared
+key per token, ``score(i, j) = sum_h w_h(i) relu(q_h(i) . k(j) / sqrt(d))`` in fp32, no gradient. transformers'
+attention slices a mask SP doesn't pass (SP's attention key gets none) and its indexer would score this rank's
+queries against this rank's keys only. Under SP (both swapped by ``mixers.swap``, behaviour-checked):
+
+1. the attention's forward runs as installed, given a zero-byte placeholder mask (``placeholder_mask``);
+2. its indexer (``sp_index_topk``) gathers the indexer keys (one ``index_head_dim`` vector per token) over the SP
+   group and scores this rank's queries against every key of their document's causal prefix, in query tiles of
+   bounded memory; the top-k of each query, as positions of the whole sequence, are all-gathered (``[b, s, k]``
+   int32) and returned; transformers then hands them to SP's attention as ``indices=``, as it does for its own
+   non-eager kernels (and a layer that shares the previous layer's selection reuses them as they are);
+3. SP's Ulysses attention attends each query of its heads to its selected keys within its document
+   (``selected_attention``, in query tiles recomputed in the backward).
+
+Exact when the top-k picks the same keys as one device: the scores are the same fp32 products, so only keys tied at
+the k-th place (to round-off, or exactly: a zero relu sum) can differ, as they can between two lengths on one
+device. ``selected_attention`` scores every key and masks the unselected ones: memory bounded by its tiles, compute
+dense (``O(s^2)``, not ``O(s k)``): exact, not yet the sparse kernel. A ring (``ring_size > 1``) is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..comm import all_gather_along
+
+INDICES_KWARG = "indices"  # how transformers' DSA attention hands its top-k to a non-eager kernel
+SCORE_BYTES = 1 << 28  # fp32 scores (queries x heads x keys) per query tile, in the indexer and the attention
+
+
+def document_ids(bounds: torch.Tensor, rows: int, seq: int, device) -> torch.Tensor:
+    """``[rows, seq]``: each position's document, from ``bounds``, the documents' starts over the rows laid end to end
+    (``documents.document_bounds``)."""
+    flat = torch.arange(rows * seq, device=device).view(rows, seq)
+    return torch.searchsorted(bounds.to(device), flat, right=True)
+
+
+def document_causal(bounds: torch.Tensor, rows: int, seq: int, queries: torch.Tensor) -> torch.Tensor:
+    """``[rows, len(queries), seq]``: key ``j`` visible to the query at whole-sequence position ``i`` (same document,
+    ``j <= i``)."""
+    doc = document_ids(bounds, rows, seq, queries.device)
+    keys = torch.arange(seq, device=queries.device)
+    same = doc[:, queries, None] == doc[:, None, :]
+    return same & (keys[None, None, :] <= queries[None, :, None])
+
+
+def _gather(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    return x if group is None else all_gather_along(x, dim=1, group=group)
+
+
+def v32_projection(indexer: torch.nn.Module, hidden_states, q_resid, position_embeddings, rope: str | Callable):
+    """``DeepseekV32Indexer.forward``'s queries ``[b, s, H, D]``, keys ``[b, s, D]``, head weights ``[b, s, H]`` (fp32)
+    and the scale of the scores (``None``: unscaled), with ``rope`` (its modeling module's RoPE function, or its
+    name) on the first ``qk_rope_head_dim`` dims of both: V3.2's and AXK2's non-interleaved one, GLM-5's interleaved
+    one."""
+    rope = getattr(sys.modules[type(indexer).__module__], rope) if isinstance(rope, str) else rope
+    b, s, _ = hidden_states.shape
+    heads, dim, rot = indexer.n_heads, indexer.head_dim, indexer.qk_rope_head_dim
+    cos, sin = position_embeddings
+    q = indexer.wq_b(q_resid).view(b, s, heads, dim)
+    q_rot, q_pass = torch.split(q, [rot, dim - rot], dim=-1)
+    k = indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [rot, dim - rot], dim=-1)
+    q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    keys = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float() * heads**-0.5
+    return torch.cat([q_rot, q_pass], dim=-1).float(), keys, weights, indexer.softmax_scale
+
+
+def hy_v4_projection(indexer: torch.nn.Module, hidden_states, q_resid, position_embeddings):
+    """``HYV4Indexer.forward``'s: RoPE on the *last* ``qk_rope_head_dim`` dims, the key norm in its own (fp32) dtype,
+    the softmax scale folded into the head weights (so the scores are scaled by 1)."""
+    rope = sys.modules[type(indexer).__module__].apply_rotary_pos_emb
+    b, s, _ = hidden_states.shape
+    heads, dim, rot = indexer.n_heads, indexer.head_dim, indexer.qk_rope_head_dim
+    cos, sin = position_embeddings
+    q = indexer.wq_b(q_resid).view(b, s, heads, dim)
+    q_pass, q_rot = torch.split(q, [dim - rot, rot], dim=-1)
+    k = indexer.k_norm(indexer.wk(hidden_states).to(indexer.k_norm.weight.dtype)).to(hidden_states.dtype)
+    k_pass, k_rot = torch.split(k.unsqueeze(2), [dim - rot, rot], dim=-1)
+    q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    keys = torch.cat([k_pass, k_rot], dim=-1).squeeze(2)
+    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
+    weights = weights * heads**-0.5 * indexer.softmax_scale
+    return torch.cat([q_pass, q_rot], dim=-1).float(), keys, weights, None
+
+
+# Each SP-run indexer class: its projection (queries, keys, head weights) as its forward computes them
+PROJECTIONS: dict[str, Callable] = {
+    "DeepseekV32Indexer": functools.partial(v32_projection, rope="apply_rotary_pos_emb"),
+    "GlmMoeDsaIndexer": functools.partial(v32_projection, rope="apply_rotary_pos_emb_interleave"),
+    "AXK2Indexer": functools.partial(v32_projection, rope="apply_rotary_pos_emb"),
+    "Dots3NoteTextIndexer": functools.partial(v32_projection, rope="apply_rotary_pos_emb_interleave"),
+    "HYV4Indexer": hy_v4_projection,
+}
+
+
+@torch.no_grad()
+def sp_index_topk(
+    indexer: torch.nn.Module,
+    projected: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    bounds: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    rank: int,
+) -> torch.Tensor:
+    """``[b, seq, k]`` int32: for every query of the whole sequence, the whole-sequence positions of its top-k keys
+    among its document's causal prefix (positions past its visible keys are masked by ``selected_attention``).
+    ``projected``: this rank's (the ``rank``-th contiguous slice's) queries, keys, head weights and score scale (a
+    ``PROJECTIONS`` entry); the keys and the selections are gathered over ``group``."""
+    q, keys, weights, scale = projected
+    b, s, heads, _ = q.shape
+    keys = _gather(keys.contiguous(), group).float()  # [b, seq, d]
+    seq = keys.shape[1]
+    topk = min(indexer.index_topk, seq)
+    tile = max(1, SCORE_BYTES // (4 * heads * seq * b))
+    picks = []
+    for start in range(0, s, tile):
+        rows = slice(start, min(s, start + tile))
+        scores = torch.matmul(q[:, rows], keys.transpose(-1, -2).unsqueeze(1))
+        scores = F.relu(scores if scale is None else scores * scale)
+        index = torch.matmul(weights[:, rows].unsqueeze(-2), scores).squeeze(-2)  # [b, tile, seq]
+        queries = torch.arange(rows.start, rows.stop, device=q.device) + rank * s
+        index = index.masked_fill(~document_causal(bounds, b, seq, queries), float("-inf"))
+        picks.append(index.topk(topk, dim=-1).indices.to(torch.int32))
+    return _gather(torch.cat(picks, dim=1), group)
+
+
+def placeholder_mask(hidden_states: torch.Tensor, seq: int) -> torch.Tensor:
+    """``[b, 1, s_local, seq]`` all True without memory (one element, expanded): what the DSA attention slices for
+    its indexer, whose SP version reads the documents instead."""
+    b, s = hidden_states.shape[:2]
+    return torch.ones((), dtype=torch.bool, device=hidden_states.device).expand(b, 1, s, seq)
+
+
+def selected_attention(
+    q, k, v, indices: torch.Tensor, bounds: torch.Tensor, scale: float, dropout: float = 0.0, sinks=None
+) -> torch.Tensor:
+    """``[b, s, h, dv]``: each query of ``q`` (``[b, h, s, d]``, the whole sequence) attends to the keys ``indices``
+    selects (``[b, s, k]`` whole-sequence positions) that are visible to it (its document, causal); ``sinks``
+    (``[h]``, HY-V4's): one extra logit per head in each softmax's denominator, attending to nothing. Computed in
+    query tiles of at most ``SCORE_BYTES`` of fp32 scores, each recomputed in the backward: memory
+    ``O(b h tile s)``, not ``O(b h s^2)`` (the compute is still dense: every key is scored, unselected ones masked)."""
+    if sinks is not None and dropout:
+        raise ValueError("DSA with attention sinks under SP has no attention dropout; set attention_dropout=0.")
+    b, h, seq, _ = q.shape
+    docs = document_ids(bounds, b, seq, q.device)
+    tile = max(1, SCORE_BYTES // (4 * b * h * seq))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    outs = []
+    for start in range(0, seq, tile):
+        rows = slice(start, min(seq, start + tile))
+        attend = functools.partial(_attend_tile, start=start, scale=scale, dropout=dropout)
+        args = (q[:, :, rows], k, v, indices[:, rows], docs, sinks)
+        outs.append(checkpoint(attend, *args, use_reentrant=False) if grad else attend(*args))
+    return torch.cat(outs, dim=2).transpose(1, 2)
+
+
+def _attend_tile(q, k, v, indices, docs, sinks, start: int, scale: float, dropout: float) -> torch.Tensor:
+    """``[b, h, tile, dv]``: the queries ``start, start + 1, ...`` over their selected visible keys."""
+    b, _, rows, _ = q.shape
+    seq = k.shape[2]
+    queries = torch.arange(start, start + rows, device=q.device)
+    keep = torch.zeros(b, rows, seq, dtype=torch.bool, device=q.device).scatter_(-1, indices.long(), True)
+    keep &= (docs[:, queries, None] == docs[:, None, :]) & (torch.arange(seq, device=q.device) <= queries[:, None])
+    if sinks is None:
+        gqa = k.shape[1] != q.shape[1]
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep[:, None], dropout_p=dropout, scale=scale, enable_gqa=gqa
+        )
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    logits = (torch.matmul(q, k.transpose(-1, -2)) * scale).masked_fill(~keep[:, None], float("-inf"))
+    sink = sinks.to(logits.dtype).view(1, -1, 1, 1).expand(b, -1, rows, 1)
+    probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)

@@ -1,0 +1,151 @@
+"""DeepSeek sparse attention under SP (``hf_sp_trainer/attention/dsa.py``), in process: the tiled indexer, the
+selected-keys attention, the behaviour checks of the swapped classes (with negative controls) and the refusal of a
+ring. Over gloo ranks: the family suite (every DSA family, top-k crossed) and ``test_equivalence_attention.py``."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import pytest
+import torch
+from transformers.models.axk2 import modeling_axk2 as axk2
+from transformers.models.deepseek_v32 import modeling_deepseek_v32 as v32
+from transformers.models.dots3_note import modeling_dots3_note as dots3
+from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
+from transformers.models.hy_v4 import modeling_hy_v4 as hy_v4
+
+from hf_sp_trainer.attention import dsa
+from hf_sp_trainer.attention.dsa import PROJECTIONS, document_causal, selected_attention, sp_index_topk
+from hf_sp_trainer.documents import document_bounds
+from hf_sp_trainer.mixers.checks import _dsa_attention_ok, _dsa_indexer_ok, _dsa_parts
+from hf_sp_trainer.validate import validate_model_for_sp
+from tests.harness import EXACT, tiny_model
+
+pytestmark = pytest.mark.unit  # in-process
+
+
+def _selected(picks: torch.Tensor, bounds: torch.Tensor, seq: int) -> torch.Tensor:
+    """The visible keys ``picks`` selects, as a ``[b, seq, seq]`` mask."""
+    b = picks.shape[0]
+    chosen = torch.zeros(b, seq, seq, dtype=torch.bool).scatter_(-1, picks.long(), True)
+    return chosen & document_causal(bounds, b, seq, torch.arange(seq))
+
+
+INDEXERS = [v32.DeepseekV32Indexer, glm.GlmMoeDsaIndexer, axk2.AXK2Indexer, dots3.Dots3NoteTextIndexer]
+INDEXERS += [hy_v4.HYV4Indexer]  # checked, not swapped (docs/families.md)
+
+
+@pytest.mark.parametrize("cls", INDEXERS, ids=lambda c: c.__name__)
+def test_tiled_index_topk_equals_one_tile(cls, monkeypatch):
+    """Query tiles of 3 (the score bytes bound) pick what one tile picks, over two rows of packed documents."""
+    indexer, rotary = _dsa_parts(cls)
+    gen = torch.Generator().manual_seed(1)
+    hidden, q_resid = torch.randn(2, 30, 32, generator=gen), torch.randn(2, 30, 16, generator=gen)
+    segments = [[(0, 12), (12, 30)], [(0, 30)]]
+    positions = torch.stack([torch.cat([torch.arange(e - s) for s, e in row]) for row in segments])
+    bounds = document_bounds(segments, 30)
+    projected = PROJECTIONS[cls.__name__](indexer, hidden, q_resid, rotary(hidden, positions))
+    whole = _selected(sp_index_topk(indexer, projected, bounds, None, 0), bounds, 30)
+    monkeypatch.setattr(dsa, "SCORE_BYTES", 4 * indexer.n_heads * 30 * 2 * 3)
+    tiled = _selected(sp_index_topk(indexer, projected, bounds, None, 0), bounds, 30)
+    assert torch.equal(whole, tiled)
+    assert int(whole.sum(-1).max()) == indexer.index_topk  # the top-k binds: late queries see more keys than k
+
+
+def test_selected_attention_is_a_softmax_over_the_selected_visible_keys():
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 2, 12, 8, generator=gen), torch.randn(1, 2, 12, 8, generator=gen)
+    v = torch.randn(1, 2, 12, 6, generator=gen)  # MLA: v head dim != q/k's
+    indices = torch.randint(0, 12, (1, 12, 3), generator=gen)
+    bounds = torch.tensor([0, 5, 12])
+    indices[..., 0] = torch.arange(12)  # every query keeps itself (a row with no key would be undefined)
+    keep = _selected(indices, bounds, 12)[:, None]
+    logits = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~keep, float("-inf"))
+    expected = (logits.softmax(-1) @ v).transpose(1, 2)
+    assert torch.allclose(selected_attention(q, k, v, indices, bounds, 0.3), expected, atol=1e-6)
+
+
+def test_selected_attention_with_sinks_adds_one_logit_per_head():
+    """HY-V4's sinks: an extra logit per head in the denominator (what its eager attention computes)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 10, 8, generator=gen) for _ in range(3))
+    indices, bounds, sinks = torch.arange(10).expand(1, 10, 10), torch.tensor([0, 4, 10]), torch.tensor([0.5, 2.0])
+    keep = _selected(indices, bounds, 10)[:, None]
+    logits = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~keep, float("-inf"))
+    with_sink = torch.cat([logits, sinks.view(1, 2, 1, 1).expand(1, 2, 10, 1)], -1).softmax(-1)[..., :-1]
+    expected = (with_sink @ v).transpose(1, 2)
+    got = selected_attention(q, k, v, indices, bounds, 0.3, sinks=sinks)
+    assert torch.allclose(got, expected, atol=1e-6)
+    assert not torch.allclose(selected_attention(q, k, v, indices, bounds, 0.3), expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("sinks", [None, torch.tensor([0.5, 2.0])], ids=["plain", "sinks"])
+def test_selected_attention_tiles_match_one_tile_with_gradients(sinks, monkeypatch):
+    """Query tiles of 3, each recomputed in the backward, give one tile's output and q / k / v gradients."""
+    gen = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(2, 2, 10, 8, generator=gen) for _ in range(3)]
+    indices = torch.randint(0, 10, (2, 10, 4), generator=gen)
+    indices[..., 0] = torch.arange(10)
+    bounds, probe = torch.tensor([0, 4, 10, 20]), torch.randn(2, 10, 2, 8, generator=gen)
+
+    def run():
+        q, k, v = (t.clone().requires_grad_() for t in leaves)
+        out = selected_attention(q, k, v, indices, bounds, 0.3, sinks=sinks)
+        (out * probe).sum().backward()
+        return [out.detach(), q.grad, k.grad, v.grad]
+
+    whole = run()
+    monkeypatch.setattr(dsa, "SCORE_BYTES", 4 * 2 * 2 * 10 * 3)
+    for got, ref in zip(run(), whole, strict=True):
+        assert torch.allclose(got, ref, atol=1e-6)
+
+
+def test_checks_pass_and_catch_what_they_guard():
+    """Negative controls: GLM-5's interleaved indexer RoPE computed as DeepSeek-V3.2's (non-interleaved) fails the
+    indexer check; an attention that never hands its top-k to the registered kernel fails the attention check."""
+    for indexer in INDEXERS:
+        attention = getattr(sys.modules[indexer.__module__], indexer.__name__.replace("Indexer", "Attention"))
+        assert _dsa_attention_ok.__wrapped__(attention, attention.forward), attention
+        assert _dsa_indexer_ok.__wrapped__(indexer, indexer.forward), indexer
+    original = PROJECTIONS["GlmMoeDsaIndexer"]
+    PROJECTIONS["GlmMoeDsaIndexer"] = functools.partial(dsa.v32_projection, rope=v32.apply_rotary_pos_emb)
+    try:
+        assert not _dsa_indexer_ok.__wrapped__(glm.GlmMoeDsaIndexer, glm.GlmMoeDsaIndexer.forward)
+    finally:
+        PROJECTIONS["GlmMoeDsaIndexer"] = original
+
+    def eager_only(self, **kwargs):  # a forward that attends through eager's mask, never the registered kernel
+        key, self.config._attn_implementation = self.config._attn_implementation, "eager"
+        try:
+            return v32.DeepseekV32Attention.forward(self, **kwargs)
+        finally:
+            self.config._attn_implementation = key
+
+    assert not _dsa_attention_ok.__wrapped__(v32.DeepseekV32Attention, eager_only)
+
+
+def test_the_top_k_matters_in_the_tiny_models():
+    """The spine cases' DSA models pick fewer keys than their rows hold: all keys instead changes the loss; GLM-5's
+    second layer reuses the first's top-k (no indexer of its own)."""
+
+    def loss(model) -> float:
+        ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+        return model(input_ids=ids, labels=ids).loss.item()
+
+    for family in ("deepseek_v32", "glm_moe_dsa"):
+        model = tiny_model(family)
+        sparse = loss(model)
+        model.config.index_topk = 10**6
+        for layer in model.model.layers:
+            if layer.self_attn.indexer is not None:
+                layer.self_attn.indexer.index_topk = 10**6
+        assert abs(loss(model) / sparse - 1) > 10 * EXACT, family  # about 1e-3
+    assert [layer.self_attn.indexer is None for layer in tiny_model("glm_moe_dsa").model.layers] == [False, True]
+
+
+def test_a_ring_is_refused_before_any_collective():
+    model = tiny_model("deepseek_v32")
+    assert validate_model_for_sp(model, 4) == (4, 1)
+    with pytest.raises(ValueError, match="DeepseekV32Attention.*Ulysses SP only.*sp_ring_size=1"):
+        validate_model_for_sp(model, 4, ring_size=2)
