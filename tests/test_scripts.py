@@ -85,6 +85,21 @@ def test_bench_hybrid_smoke(tmp_path):
     assert (tmp_path / "hybrid_bytes.csv").exists() and "| sp | length |" in done.stdout
 
 
+def test_bench_dsa_smoke(tmp_path):
+    """scripts/bench_dsa.py --smoke: the DSA bytes table for the real shapes, and the bytes counted in a one-layer
+    tiny DeepSeek-V3.2 step on 2 CPU processes equal to the formulas (all-to-alls, indexer keys, selections)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT.parent)}
+    cmd = [sys.executable, str(ROOT / "bench_dsa.py"), "--smoke", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (check,) = json.loads((tmp_path / "dsa_counted.json").read_text())["rows"]
+    assert check["counted"] == check["formula"] and min(check["counted"].values()) > 0
+    rows = json.loads((tmp_path / "dsa_bytes.json").read_text())["rows"]
+    assert {r["model"] for r in rows} == {"deepseek_v32", "glm_moe_dsa", "axk2"} and all(
+        r["dsa_over_a2a"] > 1 for r in rows
+    )
+
+
 def test_vlm_lora_recipe_smoke(tmp_path):
     """scripts/vlm/qwen2.5-vl-7b-lora-multi-image-64k.sh: hf-sp-sft with a VLM (a tiny LLaVA saved like a hub
     checkpoint, its processor loaded by TRL) on TRL's vision conversations, 2 CPU processes, sp_size 2."""
