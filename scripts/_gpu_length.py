@@ -8,7 +8,9 @@ tests can't run.
 - llama4: chunked attention (chunk 64; 8 dry) and the NoPE temperature (floor 64; 4 dry, ``attn_scale`` 1), documents
   crossing both;
 - phi3_longrope: longrope with its threshold between the first shard's positions and the longest document, one
-  document per row (one device decides per row).
+  document per row (one device decides per row);
+- deepseek_v32_dsa: DeepSeek sparse attention, its indexer's top-k (64; 8 dry) under every document (SP's
+  ``attention/dsa.py``: the selected keys through sdpa with a boolean mask, in query tiles).
 
 sp 1 runs on one rank; sp 2 is two processes sharing the one GPU over gloo, Ulysses.
 """
@@ -34,6 +36,13 @@ def _model(case: str, dry: bool, device: torch.device, dtype: torch.dtype):
             floor_scale=4 if dry else 64, attn_scale=1.0,
         )  # fmt: skip
         cls = transformers.Llama4ForCausalLM
+    elif case == "deepseek_v32_dsa":  # the indexer's top-k (64; 8 dry) under every document, 16 indexer heads
+        mla = dict(q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+        config = transformers.DeepseekV32Config(
+            **{**small, "num_key_value_heads": 4}, **mla, num_hidden_layers=2, first_k_dense_replace=2,
+            index_n_heads=16, index_head_dim=32, index_topk=8 if dry else 64,
+        )  # fmt: skip
+        cls = transformers.DeepseekV32ForCausalLM
     else:
         threshold = 24 if dry else 1024
         short, long = [1.0 + i / 16 for i in range(16)], [2.0 + i / 8 for i in range(16)]
@@ -49,7 +58,7 @@ def _model(case: str, dry: bool, device: torch.device, dtype: torch.dtype):
 
 def _rows(case: str, dry: bool) -> list[list[int]]:
     """Document lengths per row: Llama-4 one packed row; longrope one document per row, past the threshold."""
-    if case == "llama4":
+    if case in ("llama4", "deepseek_v32_dsa"):
         return [[40, 13, 60]] if dry else [[700, 150, 1200]]
     return [[40]] if dry else [[1800]]
 
@@ -92,7 +101,7 @@ def _worker(rank: int, world: int, port: int, device: str, dry: bool, out_path: 
 
     dev = start_rank(rank, world, port, device)
     out: dict[str, Any] = {}
-    for case in ("llama4", "phi3_longrope"):
+    for case in ("llama4", "phi3_longrope", "deepseek_v32_dsa"):
         for dtype in [torch.float32, torch.bfloat16] if dev.type == "cuda" else [torch.float32]:
             name = f"{case}_sp{world}_{str(dtype).removeprefix('torch.')}"
             try:

@@ -19,7 +19,8 @@ f_vlm: a whole VLM step (Qwen2-VL-shaped, a packed row of three documents with i
 (two processes on the one GPU over gloo; media whole and split) vs each document alone, fp32 and bf16: loss and every
 gradient, the vision tower's included; and one long multimodal row's peak memory per rank (``_gpu_vlm.py``).
 g_length: settings that switch on with length under SP on the GPU's kernel (torch varlen): Llama-4's chunked
-attention and NoPE temperature, longrope's switch, at sp 1 and sp 2 vs each document alone (``_gpu_length.py``).
+attention and NoPE temperature, longrope's switch, DeepSeek-V3.2's sparse-attention top-k (sdpa, a boolean mask), at
+sp 1 and sp 2 vs each document alone (``_gpu_length.py``).
 
 Each check runs in its own process (default on CUDA), killed at the global budget: a crash, hang or broken CUDA
 context is recorded and the next check still runs; one that doesn't fit the time left is skipped with a note. The
