@@ -27,12 +27,18 @@ WORLD2 = [
     Case("ring2_glm4_moe_lite_mla", family="glm4_moe_lite", sp_overrides=RING2),
     Case("deepseek_v32_dsa_sgd_ga2", family="deepseek_v32", grad_accum=2, **SGD),  # the indexer's top-k over ranks
     Case("glm_moe_dsa_shared_topk", family="glm_moe_dsa", **SGD),  # its second layer reuses the first's top-k
+    # DeepSpeed hands the optimizer zero gradients for the parameters that get none (DSA's indexer: no_grad in
+    # transformers), so weight decay shrinks them; torch's optimizer skips them. Without weight decay both agree.
+    Case(
+        "zero3_deepseek_v32_dsa", family="deepseek_v32", backend="zero3", train_overrides=dict(weight_decay=0.0), **SGD
+    ),
 ]
 WORLD4 = [
     Case("sp4_gpt_oss_sinks_kv_rep", **GPT_OSS, sp_size=4, world_size=4),  # 2 kv heads over 4 ranks
     Case("hybrid2x2_gpt_oss_sinks", **GPT_OSS, sp_size=4, world_size=4, sp_overrides=RING2),
     Case("sp4_deepseek_v3_mla", family="deepseek_v3", sp_size=4, world_size=4),
     Case("sp4_deepseek_v32_dsa", family="deepseek_v32", sp_size=4, world_size=4, **SGD),
+    Case("dp2sp2_glm_moe_dsa", family="glm_moe_dsa", sp_size=2, world_size=4, grad_accum=2, **SGD),
 ]
 
 
