@@ -36,7 +36,8 @@ def check_modeled_layers(text, name: str) -> None:
         raise ValueError(
             f"{name}: the memory model has no count for its layer types {unmodeled}: it models attention, Gated "
             "DeltaNet (Qwen3.5, Qwen3-Next) and short-conv (LFM2) layers; Mamba1, Mamba2, Kimi delta, lightning "
-            "attention and RG-LRU layers (which transformers also types 'linear_attention') are not modeled yet. "
+            "attention and RG-LRU layers (which transformers also types 'linear_attention') and DeepSeek sparse "
+            "attention ('indexed_attention': its gathered top-k and indexer keys) are not modeled yet. "
             "Measure such a model with scripts/bench_memory.py."
         )
 
