@@ -16,7 +16,7 @@ from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
 from transformers.models.hy_v4 import modeling_hy_v4 as hy_v4
 
 from hf_sp_trainer.attention import dsa
-from hf_sp_trainer.attention.dsa import PROJECTIONS, document_causal, selected_attention, sp_index_topk
+from hf_sp_trainer.attention.dsa import PROJECTIONS, document_causal, document_ids, selected_attention, sp_index_topk
 from hf_sp_trainer.documents import document_bounds
 from hf_sp_trainer.mixers.checks import _dsa_attention_ok, _dsa_indexer_ok, _dsa_parts
 from hf_sp_trainer.validate import validate_model_for_sp
@@ -29,7 +29,7 @@ def _selected(picks: torch.Tensor, bounds: torch.Tensor, seq: int) -> torch.Tens
     """The visible keys ``picks`` selects, as a ``[b, seq, seq]`` mask."""
     b = picks.shape[0]
     chosen = torch.zeros(b, seq, seq, dtype=torch.bool).scatter_(-1, picks.long(), True)
-    return chosen & document_causal(bounds, b, seq, torch.arange(seq))
+    return chosen & document_causal(document_ids(bounds, b, seq, "cpu"), torch.arange(seq))
 
 
 INDEXERS = [v32.DeepseekV32Indexer, glm.GlmMoeDsaIndexer, axk2.AXK2Indexer, dots3.Dots3NoteTextIndexer]

@@ -44,13 +44,11 @@ def document_ids(bounds: torch.Tensor, rows: int, seq: int, device) -> torch.Ten
     return torch.searchsorted(bounds.to(device), flat, right=True)
 
 
-def document_causal(bounds: torch.Tensor, rows: int, seq: int, queries: torch.Tensor) -> torch.Tensor:
-    """``[rows, len(queries), seq]``: key ``j`` visible to the query at whole-sequence position ``i`` (same document,
-    ``j <= i``)."""
-    doc = document_ids(bounds, rows, seq, queries.device)
-    keys = torch.arange(seq, device=queries.device)
-    same = doc[:, queries, None] == doc[:, None, :]
-    return same & (keys[None, None, :] <= queries[None, :, None])
+def document_causal(docs: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """``[rows, len(queries), seq]``: key ``j`` visible to the query at whole-sequence position ``i`` (same document
+    in ``docs``, ``document_ids``' ``[rows, seq]``, and ``j <= i``)."""
+    keys = torch.arange(docs.shape[1], device=docs.device)
+    return (docs[:, queries, None] == docs[:, None, :]) & (keys <= queries[:, None])
 
 
 def _gather(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -121,6 +119,7 @@ def sp_index_topk(
     keys = _gather(keys.contiguous(), group).float()  # [b, seq, d]
     seq = keys.shape[1]
     topk = min(indexer.index_topk, seq)
+    docs = document_ids(bounds, b, seq, q.device)
     tile = max(1, SCORE_BYTES // (4 * heads * seq * b))
     picks = []
     for start in range(0, s, tile):
@@ -129,7 +128,7 @@ def sp_index_topk(
         scores = F.relu(scores if scale is None else scores * scale)
         index = torch.matmul(weights[:, rows].unsqueeze(-2), scores).squeeze(-2)  # [b, tile, seq]
         queries = torch.arange(rows.start, rows.stop, device=q.device) + rank * s
-        index = index.masked_fill(~document_causal(bounds, b, seq, queries), float("-inf"))
+        index = index.masked_fill(~document_causal(docs, queries), float("-inf"))
         picks.append(index.topk(topk, dim=-1).indices.to(torch.int32))
     return _gather(torch.cat(picks, dim=1), group)
 
@@ -170,7 +169,7 @@ def _attend_tile(q, k, v, indices, docs, sinks, start: int, scale: float, dropou
     seq = k.shape[2]
     queries = torch.arange(start, start + rows, device=q.device)
     keep = torch.zeros(b, rows, seq, dtype=torch.bool, device=q.device).scatter_(-1, indices.long(), True)
-    keep &= (docs[:, queries, None] == docs[:, None, :]) & (torch.arange(seq, device=q.device) <= queries[:, None])
+    keep &= document_causal(docs, queries)
     if sinks is None:
         gqa = k.shape[1] != q.shape[1]
         return F.scaled_dot_product_attention(

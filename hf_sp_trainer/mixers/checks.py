@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from ..attention.dsa import PROJECTIONS, document_causal, selected_attention, sp_index_topk
+from ..attention.dsa import PROJECTIONS, document_causal, document_ids, selected_attention, sp_index_topk
 from ..sharding import SequenceSharding
 from .lightning import lightning_forward
 from .mamba2 import run_decay, step_sizes
@@ -225,7 +225,7 @@ def _dsa_indexer_ok(cls: type, forward: Callable) -> bool:
         bounds = torch.tensor([0, 9, 20])
         picks = sp_index_topk(indexer, projected, bounds, None, 0)
         got = torch.zeros(20, 20, dtype=torch.bool).scatter_(-1, picks[0].long(), True)
-        got &= document_causal(bounds, 1, 20, torch.arange(20))[0]
+        got &= document_causal(document_ids(bounds, 1, 20, "cpu"), torch.arange(20))[0]
     return bool(expected.any()) and torch.equal(got, expected)
 
 
