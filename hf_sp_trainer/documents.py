@@ -32,6 +32,9 @@ _HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder -> (i
 # The ``sp_*`` kwargs of the decoders being run, innermost last (``DocumentHook``): call-scoped, not a model's state
 # (each entry is what its own model's decoder pre-hook passed down).
 _SCOPE: ContextVar[tuple[dict[str, Any], ...]] = ContextVar("sp_scope", default=())
+# The scope entry of a model's own forward around its decoder (``DocumentHook``): code the model runs outside its
+# decoder (no documents passed down there) is still inside an SP forward, where a swapped kernel must not fall back.
+_OUTSIDE_DECODER = "_sp_forward_outside_decoder"  # no ``sp_`` prefix: never passed down as a kwarg
 
 
 @dataclass
@@ -122,10 +125,13 @@ class DocumentHook:
         _HOOKS[decoder] = (self, handles)
 
     def _outer_call(self, module, args, kwargs) -> None:
+        """Enter the model's scope (left by ``_outer_done``): an SP forward unless the decoder won't pass documents."""
+        _SCOPE.set((*_SCOPE.get(), {_OUTSIDE_DECODER: self.topology is not None or not _decoding(kwargs)}))
         self.outer_positions = kwargs.get("position_ids")
 
     def _outer_done(self, module, args, output) -> None:
         self.outer_positions = None
+        _leave_scope(module, args, output)
 
     def _position_ids(self, kwargs) -> torch.Tensor | None:
         """The decoder's ``position_ids``, else those its model was called with and didn't pass on."""
@@ -143,7 +149,7 @@ class DocumentHook:
 
     def _pass_down(self, args, kwargs):
         if self.topology is None:
-            if BOUNDS_KWARG in kwargs or kwargs.get("past_key_values") is not None or kwargs.get("use_cache"):
+            if BOUNDS_KWARG in kwargs or _decoding(kwargs):
                 return None  # under SP (an SP hook gave the bounds), or decoding
             tokens = _tokens(args, kwargs)
             positions = self._position_ids(kwargs)
@@ -257,6 +263,13 @@ def scoped_sp_kwargs() -> dict[str, Any]:
     return scope[-1] if scope else {}
 
 
+def in_sp_forward() -> bool:
+    """An SP forward (or one keeping documents apart) is running the caller: the innermost decoder passed documents
+    down, or the caller runs in such a model's forward outside its decoder (where none reach it)."""
+    scope = _SCOPE.get()
+    return bool(scope) and (scope[-1].get(BOUNDS_KWARG) is not None or bool(scope[-1].get(_OUTSIDE_DECODER)))
+
+
 def run_in_scope(scope: tuple[dict[str, Any], ...], function, *args, **kwargs):
     """``function(*args, **kwargs)`` with ``scope`` (a ``current_scope()`` taken earlier) as the SP scope: an
     activation-checkpoint recompute, run in the backward outside any decoder forward, sees the scope of its forward."""
@@ -281,6 +294,10 @@ def attached_documents(model: torch.nn.Module) -> DocumentHook | None:
 
 def _leave_scope(module, args, output) -> None:
     _SCOPE.set(_SCOPE.get()[:-1])
+
+
+def _decoding(kwargs) -> bool:
+    return kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None or bool(kwargs.get("use_cache"))
 
 
 def _tokens(args, kwargs) -> torch.Tensor:

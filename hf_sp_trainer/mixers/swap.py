@@ -20,9 +20,17 @@ import torch
 
 from .. import patches
 from ..attention.dsa import PROJECTIONS, placeholder_mask, sp_index_topk
-from ..documents import BOUNDS_KWARG, SP_KWARG, DocumentHook, current_scope, run_in_scope, scoped_sp_kwargs
+from ..documents import (
+    BOUNDS_KWARG,
+    SP_KWARG,
+    DocumentHook,
+    current_scope,
+    in_sp_forward,
+    run_in_scope,
+    scoped_sp_kwargs,
+)
 from ..memory.checkpointing import recompute_region, scope_checkpointed_layers
-from ..model.mixers import DECODE_ONLY_KERNELS, SP_KERNELS, SP_MODULES, covered_mixers, reached_through_scope
+from ..model.mixers import DECODE_ONLY_KERNELS, SP_KERNELS, SP_MODULES, covered_mixers
 from ..sharding import SequenceSharding
 from ..topology import SPTopology
 from .causal_conv import sp_causal_conv1d
@@ -67,27 +75,42 @@ class MixerContext:
         return shard_runs(bounds, rows, self.sharding, 0 if self.topology is None else self.topology.sp_rank)
 
 
-def _sp_call(kwargs: dict) -> tuple[torch.Tensor | None, MixerContext | None]:
+def _sp_call(kwargs: dict, kernel: str) -> tuple[torch.Tensor | None, MixerContext | None]:
     """The documents and the mixer context of the model being run, which its decoder pre-hook passes down (popped
     from ``kwargs``; where a model, layer or mixer drops its kwargs, those its decoder passed down:
-    ``documents.scoped_sp_kwargs``); ``(None, None)`` outside an SP forward (no pre-hook, or cached decoding)."""
+    ``documents.scoped_sp_kwargs``); ``(None, None)`` outside an SP forward (no pre-hook, or cached decoding).
+    Inside one, ``kernel`` reached without them raises: its installed version would mix the documents and shards."""
     bounds, context = kwargs.pop(BOUNDS_KWARG, None), kwargs.pop(SP_KWARG, None)
     if bounds is None:
         scoped = scoped_sp_kwargs()
         bounds, context = scoped.get(BOUNDS_KWARG), scoped.get(SP_KWARG)
     mixers = (context or {}).get("mixers")
-    return (bounds, mixers) if bounds is not None and mixers is not None else (None, None)
+    if bounds is None or mixers is None:
+        _refuse_inside_sp(kernel)
+        return None, None
+    return bounds, mixers
+
+
+def _refuse_inside_sp(kernel: str) -> None:
+    if in_sp_forward():
+        raise RuntimeError(
+            f"{kernel} was called during a sequence-parallel forward without SP's document bounds (called outside "
+            "the model's decoder, or in a recompute outside the forward's scope): its installed "
+            "version would run on this rank's shard as if it were whole documents. Call it inside the decoder "
+            "forward, or run this model with sp_size=1."
+        )
 
 
 def _sp_active(kwargs: dict) -> bool:
-    """An SP forward (or documents kept apart) is running the caller: bounds in its kwargs or its layer's."""
-    return kwargs.get(BOUNDS_KWARG) is not None or scoped_sp_kwargs().get(BOUNDS_KWARG) is not None
+    """An SP forward (or documents kept apart) is running the caller: bounds in its kwargs or its layer's, or the
+    caller runs in such a model's forward outside its decoder."""
+    return kwargs.get(BOUNDS_KWARG) is not None or in_sp_forward()
 
 
 def _conv_entry(original: Callable) -> Callable:
     @functools.wraps(original)
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-        bounds, ctx = _sp_call(kwargs)
+        bounds, ctx = _sp_call(kwargs, original.__qualname__)
         if ctx is None:
             return original(hidden_states, weight, bias=bias, activation=activation, **kwargs)
         runs = ctx.runs(bounds, hidden_states.shape[0])
@@ -100,7 +123,7 @@ def _conv_entry(original: Callable) -> Callable:
 def _gdn_entry(original: Callable) -> Callable:
     @functools.wraps(original)
     def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, **kwargs):
-        bounds, ctx = _sp_call(kwargs)
+        bounds, ctx = _sp_call(kwargs, original.__qualname__)
         if ctx is None:
             # by keyword: with flash-linear-attention installed, ``original`` is FLA's kernel, whose 6th parameter is
             # ``scale`` (transformers' hub wrapper drops the ``chunk_size`` FLA doesn't take)
@@ -121,7 +144,7 @@ def _gdn_entry(original: Callable) -> Callable:
 def _mamba2_entry(original: Callable) -> Callable:
     @functools.wraps(original)
     def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, **kwargs):
-        bounds, ctx = _sp_call(kwargs)
+        bounds, ctx = _sp_call(kwargs, original.__qualname__)
         if ctx is None:
             return original(hidden_states, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias, **kwargs)
         if kwargs.get("initial_states") is not None or kwargs.get("return_final_states", False):
@@ -142,7 +165,7 @@ def _selective_entry(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def mamba_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, **kwargs):
-        bounds, ctx = _sp_call(kwargs)
+        bounds, ctx = _sp_call(kwargs, original.__qualname__)
         if ctx is None:
             return original(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, **kwargs)
         if kwargs.get("return_last_state", False):
@@ -190,7 +213,7 @@ def _lightning_entry(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def forward(self, hidden_states, *args, **kwargs):
-        bounds, ctx = _sp_call(kwargs)
+        bounds, ctx = _sp_call(kwargs, original.__qualname__)
         if ctx is None:
             return original(self, hidden_states, *args, **kwargs)
         if args or kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
@@ -210,7 +233,7 @@ def _recurrent_block_entry(original: Callable) -> Callable:
     @functools.wraps(original)
     def forward(self, input_states, position_ids, attention_mask, use_cache=True, **kwargs):
         scope = {k: kwargs[k] for k in (BOUNDS_KWARG, SP_KWARG) if k in kwargs} or scoped_sp_kwargs()
-        bounds, ctx = _sp_call(kwargs)
+        bounds, ctx = _sp_call(kwargs, original.__qualname__)
         if ctx is None:
             return original(
                 self, input_states, position_ids=position_ids, attention_mask=attention_mask, use_cache=use_cache,
@@ -230,7 +253,7 @@ def _rnn_scan_entry(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def _rnn_scan(self, hidden_states, recurrent_gate, reset, recurrent_states, acc_dtype=torch.float32):
-        bounds, ctx = _sp_call({})
+        bounds, ctx = _sp_call({}, original.__qualname__)
         if ctx is None:
             return original(
                 self, hidden_states=hidden_states, recurrent_gate=recurrent_gate, reset=reset,
@@ -245,13 +268,17 @@ def _rnn_scan_entry(original: Callable) -> Callable:
     return _rnn_scan
 
 
-def _dsa_sp(kwargs: dict):
-    """The SP topology of the model being run when SP's kwargs (``kwargs``, else the scope) mark an SP forward."""
+def _dsa_sp(kwargs: dict, module: str):
+    """The SP topology of the model being run when SP's kwargs (``kwargs``, else the scope) mark an SP forward
+    (``None`` outside one and at sp_size 1; inside an SP forward without them, ``module`` raises)."""
     bounds, ctx = kwargs.get(BOUNDS_KWARG), (kwargs.get(SP_KWARG) or {}).get("mixers")
     if bounds is None:
         scoped = scoped_sp_kwargs()
         bounds, ctx = scoped.get(BOUNDS_KWARG), (scoped.get(SP_KWARG) or {}).get("mixers")
-    return (bounds, ctx.topology) if bounds is not None and ctx is not None and ctx.topology is not None else None
+    if bounds is None or ctx is None:
+        _refuse_inside_sp(module)
+        return None
+    return (bounds, ctx.topology) if ctx.topology is not None else None
 
 
 def _dsa_attention_entry(original: Callable) -> Callable:
@@ -260,7 +287,7 @@ def _dsa_attention_entry(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
-        sp = _dsa_sp(kwargs)
+        sp = _dsa_sp(kwargs, type(self).__name__)
         if sp is not None:
             if cache is not None:
                 raise ValueError(f"{type(self).__name__} under sequence parallelism runs without a cache.")
@@ -285,10 +312,16 @@ def _dsa_indexer_entry(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None, cache=None):
-        sp = _dsa_sp({})
+        sp = _dsa_sp({}, type(self).__name__)
         if sp is None:
             return original(
-                self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=cache
+                self,
+                hidden_states=hidden_states,
+                q_resid=q_resid,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
             )
         bounds, topology = sp
         with torch.no_grad():
@@ -374,8 +407,8 @@ def attach_mixers(model: torch.nn.Module, documents: DocumentHook, state_passing
             check = functools.partial(check_module, cls, attr=attr)
             patches.patch(cls, attr, wrap=entry, check=check, reason=f"{why} (no kernel function to hook)", fix=_FIX)
             swapped.append(f"{cls.__module__}.{cls.__name__}.{attr}")
-    if reached_through_scope(model):
-        scope_checkpointed_layers(model)  # a checkpoint recompute finds SP's kwargs where the forward found them
+    if swapped:  # a checkpoint recompute finds SP's kwargs where the forward found them (and never falls back)
+        scope_checkpointed_layers(model)
     documents.context["mixers"] = MixerContext(documents.topology, documents.sharding, state_passing)
     return swapped
 

@@ -179,37 +179,6 @@ def covered_mixers(model: torch.nn.Module) -> set[str]:
     return covered
 
 
-def reached_through_scope(model: torch.nn.Module) -> list[str]:
-    """Paths of the covered mixers SP's kwargs reach only through the decoder's SP scope (``documents``): the mixer
-    calls a swapped kernel without ``**kwargs`` (Mamba1's selective scan), or its parent calls the mixer without them
-    (Jamba's and Mamba's layers). An activation-checkpoint recompute of their layers must run under the scope of its
-    forward (``memory.checkpointing.scope_checkpointed_layers``)."""
-    found = []
-    for path in sorted(covered_mixers(model)):
-        module = model.get_submodule(path)
-        parent_path, _, attr = path.rpartition(".")
-        call = _self_call(type(model.get_submodule(parent_path)), attr)
-        if (call is not None and not _passes_kwargs(call)) or any(
-            not _passes_kwargs(c) for c in _kernel_calls(type(module))
-        ):
-            found.append(path)
-    return found
-
-
-def _passes_kwargs(call: ast.Call) -> bool:
-    return any(k.arg is None for k in call.keywords)
-
-
-@cache
-def _kernel_calls(cls: type) -> tuple[ast.Call, ...]:
-    """The calls of ``SP_KERNELS`` in ``cls.forward``."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError):
-        return ()
-    return tuple(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", None) in SP_KERNELS)
-
-
 def _holds(model: torch.nn.Module, module: torch.nn.Module) -> bool:
     """A decoder layer named like a mixer (``JambaMambaDecoderLayer``) that mixes nothing itself but holds a mixer:
     the mixer is the one to name."""
