@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import time
 from typing import Any
 
 import torch
@@ -189,16 +190,18 @@ def hybrid_checks(device: torch.device, dry: bool) -> dict[str, Any]:
         torch.backends.cudnn.allow_tf32 = tf32
         cases = {  # (case, the kernel transformers dispatches to, its torch function, ...)
             "gdn": (_delta_rule_case, qwen.torch_chunk_gated_delta_rule, False),
-            "kda": (_delta_rule_case, kimi.chunk_kimi_delta_attention, True),
             "conv": (_conv_case, qwen.causal_conv1d_fn),
             "mamba1_scan": (_selective_case, jamba.mamba_selective_scan),
             "rg_lru_scan": (_rg_lru_case, rgemma.RecurrentGemmaRglru._rnn_scan),
+            "kda": (_delta_rule_case, kimi.chunk_kimi_delta_attention, True),  # last: the slowest to compile
         }
         for name, (case, kernel, *args) in cases.items():
+            started = time.time()
             try:
                 out[f"{name}_{label}"] = case(original(kernel), _torch_only(kernel), *args, device, dtype, sizes)
             except Exception as exc:  # noqa: BLE001 - one failing kernel must not hide the others
                 out[f"{name}_{label}"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            out[f"{name}_{label}"]["seconds"] = round(time.time() - started, 2)
             print(f"[e_hybrid] {name}_{label}: {json.dumps(out[f'{name}_{label}'])}", file=sys.stderr, flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     return out

@@ -483,6 +483,7 @@ def main() -> None:
     parser.add_argument("--checks", nargs="+", default=list(MIN_SECONDS), choices=list(MIN_SECONDS))
     parser.add_argument("--lengths", type=int, nargs="+", default=[65536, 131072, 262144], help="for d_long_context")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, help="one process per check (CUDA default)")
+    parser.add_argument("--check-s", type=float, help="time cap of each check (else only the global budget)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     opts = parser.parse_args()
@@ -504,7 +505,8 @@ def main() -> None:
             rec = {"status": "skipped", "note": f"global budget: {ctx.left():.0f} s left, needs {MIN_SECONDS[name]}"}
         else:
             print(f"[gpu_check] {name} ({ctx.left():.0f} s left)", flush=True)
-            rec = run_isolated(name, opts, ctx.deadline) if isolate else run_check(name, ctx, opts.lengths)
+            deadline = min(ctx.deadline, time.time() + (opts.check_s or ctx.left()))
+            rec = run_isolated(name, opts, deadline) if isolate else run_check(name, ctx, opts.lengths)
         report["checks"][name] = rec
         report["elapsed_s"] = round(time.time() - start, 2)
         with open(opts.out, "w") as f:
