@@ -19,6 +19,9 @@ from hf_sp_trainer.data import tiny_vlm
 from hf_sp_trainer.data.tiny_vlm import tiny_llava_config, tiny_llava_processor, vision_conversations
 from hf_sp_trainer.model.vlm import vlm_base
 from tests.harness import worst_error
+from tests.multimodal_families_extra import CONFIGS as EXTRA_CONFIGS
+from tests.multimodal_families_extra import FAMILIES as EXTRA_FAMILIES
+from tests.multimodal_families_extra import extra_medium
 from tests.multimodal_llama4 import forward_logits, llama4_config, llama4_image, with_return_dict
 
 VOCAB = tiny_vlm.VOCAB
@@ -70,6 +73,7 @@ FAMILIES = {
     "gemma4_causal": "Gemma4ForConditionalGeneration",
     # Llama-4: tiles, pixel-shuffled; chunked attention and a NoPE temperature in its decoder (multimodal_llama4.py)
     "llama4": "Llama4ForConditionalGeneration",
+    **EXTRA_FAMILIES,  # Kimi-K2.5 and dots3-note: tests/multimodal_families_extra.py
 }
 GEMMA4 = ("gemma4", "gemma4_causal")  # h x w patches of 2 x 2 pixels (positions, -1 = padding), pooled 2 x 2
 PIXTRAL = ("mistral3", "lighton_ocr")  # images of any size, [IMG_BREAK] rows
@@ -413,6 +417,7 @@ def build_vlm(family: str = "qwen2_vl", seed: int = 0, crossed: bool = False):
     configs |= {"llava_next_video": llava_next_video_config, "paddleocr_vl": paddleocr_vl_config}
     configs["qianfan_ocr"] = functools.partial(internvl_config, "qianfan_ocr")
     configs |= {f: functools.partial(gemma4_config, f) for f in GEMMA4} | {"llama4": llama4_config}
+    configs |= EXTRA_CONFIGS
     config = configs[family]() if family in configs else qwen_vl_config(family)
     model = _instantiate_vlm(family, config, seed)
     model.crossed_settings = {}
@@ -488,6 +493,14 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
                     types += [MODALITY_TYPE[modality] if x == token else 0 for x in ids[len(types) :]]
                     if modality == "video":
                         example_frames.append(t)
+                    continue
+                if family in EXTRA_FAMILIES:  # Kimi-K2.5, dots3-note: tests/multimodal_families_extra.py
+                    run, medium, grid = extra_medium(family, modality, (t, h, w), g)
+                    ids += run
+                    token = IMG if modality == "image" else VID
+                    types += [MODALITY_TYPE[modality] if x == token else 0 for x in ids[len(types) :]]
+                    pixels[modality].append(medium)
+                    grids[modality].append(grid)
                     continue
                 if family == "llama4":  # its tiles (a layout's video: an image), TILE placeholders each
                     image_ids, image = llama4_image(h, w, g)

@@ -115,6 +115,12 @@ SP2 = [
     Case("glm46v", "one_video", split=True),
     Case("glm_ocr", "one_video", ring=2, split=True),
     Case("gemma4", "one_video", split=True),
+    # tests/multimodal_families_extra.py: Kimi-K2.5 (a DeepSeek-V3 decoder; videos pooled per chunk of frames) and
+    # dots3-note (DSA, top-5 keys per query, and a sliding window of 7: Ulysses only, a ring is refused for DSA)
+    Case("kimi_k25", "mixed"),
+    Case("kimi_k25", "padded", ring=2),
+    Case("dots3_note", "mixed"),
+    Case("dots3_note", "padded"),
 ]
 SP4 = [
     Case("qwen2_vl", "mixed", ring=2),
@@ -168,6 +174,10 @@ SP4 = [
     Case("gemma4", "many", split=True),
     Case("gemma4", "one_video", ring=2, split=True),
     Case("llava_next", "many", ring=2, split=True),
+    Case("kimi_k25", "padded"),
+    Case("kimi_k25", "mixed", ring=2),
+    Case("dots3_note", "mixed"),
+    Case("dots3_note", "padded"),
 ]
 
 
@@ -224,7 +234,7 @@ def test_layouts_cover_the_hard_places() -> None:
 
     pairs = [("qwen2_vl", "mixed"), ("internvl", "mixed"), ("llava_next", "mixed"), ("mistral3", "mixed")]
     pairs += [("glm4v", "images"), ("gemma3", "mixed"), ("aya_vision", "mixed"), ("lighton_ocr", "mixed")]
-    pairs += [("gemma4", "mixed"), ("llama4", "mixed")]
+    pairs += [("gemma4", "mixed"), ("llama4", "mixed"), ("kimi_k25", "mixed"), ("dots3_note", "mixed")]
     for family, layout in [*pairs, ("glm4v", "videos")]:
         row = SPMultimodalCollator(build_vlm(family))(make_examples(LAYOUTS[layout], family))["input_ids"][0]
         half = len(row) // 2 + len(row) % 2
@@ -462,15 +472,22 @@ def test_vision_tower_never_runs_sp_attention() -> None:
 
 def test_only_proven_vlms_pass_the_checks() -> None:
     """Every image-text-to-text family is refused or can't build, except those this file's matrix proves exact; and
-    every VLM base model SP accepts (``model.vlm.VERIFIED``) has cases in the matrix."""
+    every VLM base model SP accepts (``model.vlm.VERIFIED``) has cases in the matrix, ring cases too unless its
+    decoder refuses a ring (``ULYSSES_ONLY``: refused before any collective)."""
     from hf_sp_trainer.model.vlm import VERIFIED, vlm_base
+    from hf_sp_trainer.validate import validate_model_for_sp
+    from tests.multimodal_families_extra import ULYSSES_ONLY
     from tests.multimodal_harness import FAMILIES, classify_vlms
 
     rows = classify_vlms()
     accepted = {cls for _, cls, status, _ in rows if status == "exact"}  # glmga's class is GLM-4.6V's
     assert accepted == set(FAMILIES.values()), (accepted, set(FAMILIES.values()))
     ringed = {FAMILIES[c.family] for c in SP2 + SP4 if c.ring}
-    assert accepted <= {FAMILIES[c.family] for c in SP2} and accepted <= ringed, (accepted, ringed)
+    ringless = {FAMILIES[f] for f in ULYSSES_ONLY}
+    assert accepted <= {FAMILIES[c.family] for c in SP2} and accepted - ringless <= ringed, (accepted, ringed)
+    for family in ULYSSES_ONLY:
+        with pytest.raises(ValueError, match="runs under Ulysses SP only"):
+            validate_model_for_sp(build_vlm(family), 2, ring_size=2)
     bases = {type(vlm_base(build_vlm(f))).__name__ for f in FAMILIES}  # Llama-4's VLM is its own base
     assert bases == set(VERIFIED), (bases, VERIFIED)
     assert {t for t, _, s, _ in rows if s == "refused"} >= {"paligemma", "janus"}
@@ -574,6 +591,18 @@ def test_llama4_forward_needs_the_tuple_path() -> None:
     assert logits.shape == (1, example["input_ids"].numel(), model.config.text_config.vocab_size)
     encoded = model.get_image_features(example["pixel_values"], return_dict=True)  # what SP merges: no pooler
     assert feature_field(encoded) == "last_hidden_state" and encoded.pooler_output is None
+
+
+# -- dots3-note ------------------------------------------------------------------------------------------------
+def test_dots3_note_length_settings_act() -> None:
+    """Negative controls for the dots3-note cases: the reference moves far beyond the tolerance when its DSA top-k (5)
+    or its sliding window (7) is taken out of reach of the rows, so an SP run matching it at 1e-5 honours both."""
+    from tests.multimodal_families_extra import dots3_note_reference_gaps
+
+    for layout in ("mixed", "padded"):
+        gaps = dots3_note_reference_gaps(layout)
+        print(layout, {k: f"{v:.2e}" for k, v in gaps.items()})
+        assert min(gaps.values()) > 1e-2, (layout, gaps)
 
 
 # -- TRL's vision SFT format ------------------------------------------------------------------------------------

@@ -58,6 +58,8 @@ VERIFIED = frozenset(
         # in last_hidden_state; its decoder's chunked attention and NoPE temperature: attention/position_rules.py.
         # (transformers 5.24's forward fails on a dict output, on one device too: tests/multimodal_llama4.py)
         "Llama4ForConditionalGeneration",
+        "Kimi_K25Model",  # 1-D positions, a DeepSeek-V3 decoder (MLA, MoE); videos pooled per chunk of frames
+        "Dots3NoteModel",  # 1-D positions; DSA + sliding-window MLA (Ulysses only: DSA refuses a ring); no audio
         *IMAGE_BLOCK_MODELS,  # Gemma3; Gemma4 (per-layer head sizes, per-layer embeddings, shared kv; no audio)
     }
 )

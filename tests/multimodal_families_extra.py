@@ -1,0 +1,111 @@
+"""Kimi-K2.5 and dots3-note in the multimodal matrix: their tiny configs and their processors' media layouts.
+
+Both have 1-D positions (no ``get_rope_index``) and merge one feature row per placeholder from ``image_grid_thw`` /
+``video_grid_thw`` grids; their text decoders are those of the text family suite (``tests/family_harness.py``'s
+tiny configs), with their length settings brought under the rows here.
+
+- Kimi-K2.5 (``Kimi_K25ForConditionalGeneration``): a DeepSeek-V3 decoder (MLA, MoE after a dense first layer). Its
+  tower takes ``[patches, 3, 2, 2]`` pixels; an image of ``h x w`` patches is ``h * w / 4`` placeholders (2 x 2
+  merged). A video is chunks of ``TEMPORAL`` frames (its processor's ``temporal_patch_size``), each chunk a grid row
+  ``[TEMPORAL, h, w]`` attended as one clip and mean-pooled over its frames to ``h * w / 4`` placeholders, laid out
+  ``<timestamp> <media_begin> <video>*n <media_end>``; a layout's video of ``t`` is ``t`` chunks.
+- dots3-note (``Dots3NoteForConditionalGeneration``): a ``dots3_note_text`` decoder: DeepSeek sparse attention (an
+  indexer's top-``INDEX_TOPK`` keys per query, under the documents' lengths) on its indexed layers, sliding-window
+  MLA (window ``WINDOW``, crossing the shards) on the other, MoE; a Qwen2-VL-like tower with MoE blocks, ``[patches,
+  12]`` pixel rows, ``t * h * w / 4`` placeholders per grid. Its audio tower is built but not fed (SP refuses audio).
+  DSA runs under Ulysses SP only (a ring is refused), so its cases are Ulysses-only (``ULYSSES_ONLY``).
+
+GLM-5-Next (``Glm5NextForConditionalGeneration``) stays refused: its ``glm5_next_text`` decoder's DSA indexer scores
+k-pools of ``index_kpool`` tokens counted from the row's first token, which ``attention/dsa.py`` does not
+implement (``check_sequence_mixers`` refuses its ``Glm5NextTextAttention``), and its video placeholders are image
+tokens told apart by the video start / end tokens around them, which a shard may not hold.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_sp_trainer.data import tiny_vlm
+
+IMG, VID, VSTART, VEND, AUDIO = tiny_vlm.IMAGE_TOKEN_ID, 121, 122, 123, 126  # the harness's token ids
+TEMPORAL = 2  # Kimi-K2.5: frames per video chunk
+INDEX_TOPK = 5  # dots3-note: keys per query picked by its DSA indexer (documents of 7-29 tokens)
+WINDOW = 7  # dots3-note: its sliding layers' window
+
+FAMILIES = {
+    "kimi_k25": "Kimi_K25ForConditionalGeneration",  # a DeepSeek-V3 decoder (MLA, MoE); videos pooled per chunk
+    "dots3_note": "Dots3NoteForConditionalGeneration",  # DSA + sliding-window MLA, MoE; a tower with MoE blocks
+}
+ULYSSES_ONLY = {"dots3_note": "DeepSeek sparse attention runs under Ulysses SP only (a ring is refused)"}
+
+
+def kimi_k25_config():
+    from transformers import Kimi_K25Config
+
+    from tests.family_harness import tiny_config
+
+    vision = dict(patch_size=2, pos_emb_height=4, pos_emb_width=4, pos_emb_time=4, num_attention_heads=4,
+                  num_hidden_layers=2, hidden_size=32, intermediate_size=64, merge_kernel_size=[2, 2])  # fmt: skip
+    return Kimi_K25Config(text_config=tiny_config("deepseek_v3").to_dict(), vision_config=vision,
+                          projection_hidden_size=32, image_token_id=IMG, video_token_id=VID,
+                          vision_start_token_id=VSTART, vision_end_token_id=VEND)  # fmt: skip
+
+
+def dots3_note_config(topk: int = INDEX_TOPK, window: int = WINDOW):
+    from transformers import Dots3NoteConfig
+
+    from tests.family_harness import tiny_config
+
+    text = tiny_config("dots3_note_text").to_dict()
+    for key in ("rope_parameters", "per_layer_config"):  # derived again from the small sliding layer below
+        text.pop(key, None)
+    sliding = dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, head_dim=16,
+                   qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16)  # fmt: skip
+    layers = text["layer_types"]
+    assert "sliding_attention" in layers and "indexed_attention" in layers, layers
+    text |= {"index_topk": topk, "sliding_window": window}
+    text["per_layer_config"] = {i: sliding for i, kind in enumerate(layers) if kind == "sliding_attention"}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, patch_size=2,
+                  spatial_merge_size=2, adapter_in_dim=32, adapter_out_dim=64, adapter_merge_size=2,
+                  pyramid_num_routed=[-1, 4], num_experts_per_tok=2, moe_intermediate_size=32)  # fmt: skip
+    audio = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, feature_size=16,
+                 downsample_hidden_size=16, adapter_input_size=32, adapter_out_dim=64)  # fmt: skip
+    return Dots3NoteConfig(text_config=text, vision_config=vision, audio_config=audio, image_token_id=IMG,
+                           video_token_id=VID, audio_token_id=AUDIO)  # fmt: skip
+
+
+CONFIGS = {"kimi_k25": kimi_k25_config, "dots3_note": dots3_note_config}
+
+
+def extra_medium(
+    family: str, modality: str, thw: tuple[int, int, int], g: torch.Generator
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """One image / video of a layout (``(t, h, w)`` patches) as the family's processor gives it: its tokens, its
+    pixel values and its grid rows."""
+    t, h, w = thw
+    token = IMG if modality == "image" else VID
+    if family == "kimi_k25":
+        if modality == "image":
+            ids = [VSTART] + [IMG] * (h * w // 4) + [VEND]
+            return ids, torch.randn(h * w, 3, 2, 2, generator=g), torch.tensor([[1, h, w]])
+        ids = []
+        for _ in range(t):  # t chunks of TEMPORAL frames, each its own timestamp and run
+            ids += [int(torch.randint(3, IMG, (1,), generator=g)), VSTART] + [VID] * (h * w // 4) + [VEND]
+        pixels = torch.randn(t * TEMPORAL * h * w, 3, 2, 2, generator=g)
+        return ids, pixels, torch.tensor([[TEMPORAL, h, w]] * t)
+    ids = [VSTART] + [token] * (t * h * w // 4) + [VEND]
+    return ids, torch.randn(t * h * w, 3 * 2 * 2, generator=g), torch.tensor([[t, h, w]])
+
+
+def dots3_note_reference_gaps(layout: str) -> dict[str, float]:
+    """Negative controls: how far the reference (each document alone) moves when dots3-note's top-k or its window is
+    taken out of reach of the rows (10**6: every key selected, no window)."""
+    from tests.multimodal_harness import LAYOUTS, _instantiate_vlm, make_examples, reference, worst_error
+
+    examples = make_examples(LAYOUTS[layout], "dots3_note")
+    ref = reference(_instantiate_vlm("dots3_note", dots3_note_config(), 0), examples)
+    out = {}
+    for name, kwargs in {"index_topk": {"topk": 10**6}, "sliding_window": {"window": 10**6}}.items():
+        other = reference(_instantiate_vlm("dots3_note", dots3_note_config(**kwargs), 0), examples)
+        out[name] = worst_error(ref, other)[0]
+    return out
