@@ -201,7 +201,8 @@ def hybrid_checks(device: torch.device, dry: bool) -> dict[str, Any]:
                 out[f"{name}_{label}"] = case(original(kernel), _torch_only(kernel), *args, device, dtype, sizes)
             except Exception as exc:  # noqa: BLE001 - one failing kernel must not hide the others
                 out[f"{name}_{label}"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-            out[f"{name}_{label}"]["seconds"] = round(time.time() - started, 2)
-            print(f"[e_hybrid] {name}_{label}: {json.dumps(out[f'{name}_{label}'])}", file=sys.stderr, flush=True)
+            seconds = out.setdefault("seconds_per_case", {})[f"{name}_{label}"] = round(time.time() - started, 2)
+            figures = json.dumps(out[f"{name}_{label}"])
+            print(f"[e_hybrid] {name}_{label} ({seconds} s): {figures}", file=sys.stderr, flush=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     return out
