@@ -270,6 +270,18 @@ def in_sp_forward() -> bool:
     return bool(scope) and (scope[-1].get(BOUNDS_KWARG) is not None or bool(scope[-1].get(_OUTSIDE_DECODER)))
 
 
+def refuse_without_documents(kernel: str) -> None:
+    """Raise inside an SP forward (``in_sp_forward``): ``kernel``, a swapped function reached without SP's document
+    bounds, would run its installed version on this rank's shard as if it were whole documents."""
+    if in_sp_forward():
+        raise RuntimeError(
+            f"{kernel} was called during a sequence-parallel forward without SP's document bounds (called outside "
+            "the model's decoder, or in a recompute outside the forward's scope): its installed version would run "
+            "on this rank's shard as if it were whole documents. Call it inside the decoder forward, or run this "
+            "model with sp_size=1."
+        )
+
+
 def run_in_scope(scope: tuple[dict[str, Any], ...], function, *args, **kwargs):
     """``function(*args, **kwargs)`` with ``scope`` (a ``current_scope()`` taken earlier) as the SP scope: an
     activation-checkpoint recompute, run in the backward outside any decoder forward, sees the scope of its forward."""

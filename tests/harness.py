@@ -37,6 +37,7 @@ MOE_FAMILIES = {  # not dense per-token MLPs (tiled_mlp refuses them)
     "llama4": "Llama4TextConfig",  # chunked attention, NoPE layers with a temperature, MoE
     "deepseek_v32": "DeepseekV32Config",  # MLA + DSA: an indexer's top-k keys per query (attention.dsa)
     "glm_moe_dsa": "GlmMoeDsaConfig",  # GLM-5: DSA with interleaved indexer RoPE, a layer reusing another's top-k
+    "minimax_m3": "MiniMaxM3VLTextConfig",  # block-sparse attention: top-2 blocks of 4 keys per KV group
 }
 # Hybrid models (their linear / SSM / conv layers run exactly under SP through hf_sp_trainer.mixers). transformers'
 # own single-process forward leaks their state across position_ids-packed documents, so their references train on
@@ -54,7 +55,7 @@ HYBRID_FAMILIES = {
 PURE_SSM = {"mamba2", "mamba"}  # no attention: eager (no sdpa to set)
 # Families whose transformers forward of a position_ids-packed row differs from each document alone (hybrid layers'
 # state leaks; Llama-4's NoPE temperature counts the row index): their references train on right-padded rows.
-PADDED_REFERENCE = {*HYBRID_FAMILIES, "llama4"}
+PADDED_REFERENCE = {*HYBRID_FAMILIES, "llama4", "minimax_m3"}  # MiniMax-M3: its blocks anchored at row slots
 # MoE families with the router's load-balancing loss on (a coefficient large enough to matter in every comparison)
 MOE_ROUTER_LOSS = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5),
@@ -108,6 +109,20 @@ FAMILY_OVERRIDES = {
         index_head_dim=16,
         index_topk=6,
         **MLA,
+    ),  # fmt: skip
+    "minimax_m3": dict(
+        layer_types=["minimax_m3_sparse", "minimax_m3_sparse"],
+        mlp_layer_types=["dense", "sparse"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        dense_intermediate_size=128,
+        shared_intermediate_size=64,
+        rotary_dim=8,
+        index_n_heads=2,  # one selection per KV group
+        index_head_dim=16,
+        index_block_size=4,
+        index_topk_blocks=2,
+        index_local_blocks=1,
     ),  # fmt: skip
     "llama4": dict(
         num_hidden_layers=4,  # layers 0-2: rope, chunked attention; layer 3: NoPE, full attention, temperature

@@ -32,6 +32,8 @@ WORLD2 = [
     Case(
         "zero3_deepseek_v32_dsa", family="deepseek_v32", backend="zero3", train_overrides=dict(weight_decay=0.0), **SGD
     ),
+    # MiniMax-M3: top-2 blocks of 4 keys per KV group (attention/block_sparse.py), with its MoE router loss
+    Case("minimax_m3_block_sparse_ga2", family="minimax_m3", grad_accum=2, model_overrides=ROUTER_LOSS, **SGD),
 ]
 WORLD4 = [
     Case("sp4_gpt_oss_sinks_kv_rep", **GPT_OSS, sp_size=4, world_size=4),  # 2 kv heads over 4 ranks
@@ -39,6 +41,7 @@ WORLD4 = [
     Case("sp4_deepseek_v3_mla", family="deepseek_v3", sp_size=4, world_size=4),
     Case("sp4_deepseek_v32_dsa", family="deepseek_v32", sp_size=4, world_size=4, **SGD),
     Case("dp2sp2_glm_moe_dsa", family="glm_moe_dsa", sp_size=2, world_size=4, grad_accum=2, **SGD),
+    Case("sp4_minimax_m3_block_sparse", family="minimax_m3", sp_size=4, world_size=4, **SGD),  # 2 kv heads, 4 ranks
 ]
 
 

@@ -18,7 +18,7 @@ REFUSED = {  # model type, class: what the error must name
     "zaya": ("ZayaForCausalLM", ["Conv1d", "a convolution over the sequence"]),
     "xlstm": ("xLSTMForCausalLM", ["attention registry"]),
     "doge": ("DogeForCausalLM", ["DogeAttention", "computes its own mask"]),
-    "minimax_m3_vl_text": ("MiniMaxM3VLForCausalLM", ["MiniMaxM3VLAttention", "top-k selection"]),  # block top-k
+    "qwen4_exp_text": ("Qwen4ExpForCausalLM", ["Qwen4ExpTextAttention", "top-k selection"]),  # token-budget blocks
     "bert-generation": ("BertGenerationDecoder", ["is_causal=False"]),
 }
 EXACT = {
@@ -31,6 +31,7 @@ EXACT = {
     "deepseek_v32": "DeepseekV32ForCausalLM",  # DSA: its attention and indexer swapped (attention/dsa.py)
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "dots3_note_text": "Dots3NoteForCausalLM",  # DSA on its indexed layers, sliding-window MLA on the others
+    "minimax_m3_vl_text": "MiniMaxM3VLForCausalLM",  # block top-k: its indexer swapped (attention/block_sparse.py)
 }
 
 

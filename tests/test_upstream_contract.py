@@ -54,6 +54,7 @@ V32 = "transformers.models.deepseek_v32.modeling_deepseek_v32"
 GLM5 = "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa"
 AXK2 = "transformers.models.axk2.modeling_axk2"
 DOTS3 = "transformers.models.dots3_note.modeling_dots3_note"
+M3 = "transformers.models.minimax_m3_vl.modeling_minimax_m3_vl"
 INDEXER = ("n_heads", "head_dim", "qk_rope_head_dim", "index_topk", "wq_b", "wk", "k_norm", "weights_proj")
 GRPO, RLOO = "trl.trainer.grpo_trainer.GRPOTrainer", "trl.trainer.rloo_trainer.RLOOTrainer"
 SFT, DPO, KTO, REWARD = (
@@ -137,6 +138,13 @@ CONTRACT: list[Member] = [
                            (GLM5, "GlmMoeDsa", "apply_rotary_pos_emb_interleave"),
                            (AXK2, "AXK2", "apply_rotary_pos_emb"),
                            (DOTS3, "Dots3NoteText", "apply_rotary_pos_emb_interleave"))),
+    Member(f"{M3}.MiniMaxM3VLAttention.forward", "attention/block_sparse.py: it hands its indexer's blocks to SP's",
+           params=("self", "hidden_states", "position_embeddings", "attention_mask", "cache"),
+           refers=("indexer", "block_indices", "build_block_mask", "_attn_implementation")),
+    Member(f"{M3}.MiniMaxM3VLIndexer.forward", "mixers/selection.py swaps it; attention/block_sparse.py recomputes it",
+           params=("self", "hidden_states", "position_embeddings", "cache", "position_ids"),
+           refers=("q_proj", "k_proj", "q_norm", "k_norm", "head_dim", "block_size", "local_blocks", "topk_blocks",
+                   "apply_rotary_pos_emb")),
     # -- TRL ---------------------------------------------------------------------------------------------------------
     Member("trl.trainer.utils.add_fused_lm_head", "losses/router.py also swaps Mixtral's function for it",
            refers=(MIXTRAL, "load_balancing_loss_func")),

@@ -141,43 +141,52 @@ def placeholder_mask(hidden_states: torch.Tensor, seq: int) -> torch.Tensor:
 
 
 def selected_attention(
-    q, k, v, indices: torch.Tensor, bounds: torch.Tensor, scale: float, dropout: float = 0.0, sinks=None
+    q, k, v, selection: torch.Tensor, bounds: torch.Tensor, scale: float, dropout: float = 0.0, sinks=None, keep=None
 ) -> torch.Tensor:
-    """``[b, s, h, dv]``: each query of ``q`` (``[b, h, s, d]``, the whole sequence) attends to the keys ``indices``
-    selects (``[b, s, k]`` whole-sequence positions) that are visible to it (its document, causal); ``sinks``
-    (``[h]``, HY-V4's): one extra logit per head in each softmax's denominator, attending to nothing. Computed in
-    query tiles of at most ``SCORE_BYTES`` of fp32 scores, each recomputed in the backward: memory
-    ``O(b h tile s)``, not ``O(b h s^2)`` (the compute is still dense: every key is scored, unselected ones masked)."""
+    """``[b, s, h, dv]``: each query of ``q`` (``[b, h, s, d]``, the whole sequence) attends to the keys its
+    ``selection`` picks that are visible to it (its document, causal). ``selection``: one row per query along its
+    dim -2, made a key mask (``[b, 1 or h, rows, seq]`` bool) by ``keep``; by default DSA's top-k whole-sequence
+    positions (``[b, s, k]``, ``selected_positions``). ``sinks`` (``[h]``, HY-V4's): one extra logit per head in each
+    softmax's denominator, attending to nothing. Computed in query tiles of at most ``SCORE_BYTES`` of fp32 scores,
+    each recomputed in the backward: memory ``O(b h tile s)``, not ``O(b h s^2)`` (the compute is still dense:
+    every key is scored, unselected ones masked)."""
     if sinks is not None and dropout:
         raise ValueError("DSA with attention sinks under SP has no attention dropout; set attention_dropout=0.")
     b, h, seq, _ = q.shape
     docs = document_ids(bounds, b, seq, q.device)
     tile = max(1, SCORE_BYTES // (4 * b * h * seq))
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    keep = keep or functools.partial(selected_positions, seq=seq)
     outs = []
     for start in range(0, seq, tile):
         rows = slice(start, min(seq, start + tile))
-        attend = functools.partial(_attend_tile, start=start, scale=scale, dropout=dropout)
-        args = (q[:, :, rows], k, v, indices[:, rows], docs, sinks)
+        attend = functools.partial(_attend_tile, start=start, scale=scale, dropout=dropout, keep=keep)
+        args = (q[:, :, rows], k, v, selection[..., rows, :], docs, sinks)
         outs.append(checkpoint(attend, *args, use_reentrant=False) if grad else attend(*args))
     return torch.cat(outs, dim=2).transpose(1, 2)
 
 
-def _attend_tile(q, k, v, indices, docs, sinks, start: int, scale: float, dropout: float) -> torch.Tensor:
+def selected_positions(indices: torch.Tensor, seq: int) -> torch.Tensor:
+    """``[b, 1, rows, seq]`` bool: the keys at the whole-sequence positions ``indices`` (``[b, rows, k]``) picks."""
+    b, rows, _ = indices.shape
+    return torch.zeros(b, rows, seq, dtype=torch.bool, device=indices.device).scatter_(-1, indices.long(), True)[
+        :, None
+    ]
+
+
+def _attend_tile(q, k, v, selection, docs, sinks, start: int, scale: float, dropout: float, keep) -> torch.Tensor:
     """``[b, h, tile, dv]``: the queries ``start, start + 1, ...`` over their selected visible keys."""
     b, _, rows, _ = q.shape
-    seq = k.shape[2]
     queries = torch.arange(start, start + rows, device=q.device)
-    keep = torch.zeros(b, rows, seq, dtype=torch.bool, device=q.device).scatter_(-1, indices.long(), True)
-    keep &= document_causal(docs, queries)
+    visible = keep(selection) & document_causal(docs, queries)[:, None]
     if sinks is None:
         gqa = k.shape[1] != q.shape[1]
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=keep[:, None], dropout_p=dropout, scale=scale, enable_gqa=gqa
+            q, k, v, attn_mask=visible, dropout_p=dropout, scale=scale, enable_gqa=gqa
         )
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    logits = (torch.matmul(q, k.transpose(-1, -2)) * scale).masked_fill(~keep[:, None], float("-inf"))
+    logits = (torch.matmul(q, k.transpose(-1, -2)) * scale).masked_fill(~visible, float("-inf"))
     sink = sinks.to(logits.dtype).view(1, -1, 1, 1).expand(b, -1, rows, 1)
     probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
     return torch.matmul(probs.to(v.dtype), v)

@@ -24,6 +24,7 @@ from ..model.vlm import encoder_config_keys, image_block_rule, is_multimodal, te
 from ..sharding import SequenceSharding
 from ..sharding.image_blocks import IMAGE_BLOCKS_KWARG, IMAGE_BLOCKS_MARK, mark_image_block_layers
 from ..topology import SPTopology
+from .block_sparse import BLOCKS_KWARG, block_selected_attention
 from .dsa import INDICES_KWARG, selected_attention
 from .kernels import is_varlen_kernel, resolve_kernel, run_kernel
 from .position_rules import (
@@ -120,6 +121,7 @@ class UlyssesAttention:
         bounds = kwargs.pop(BOUNDS_KWARG)  # the whole sequence's documents, from the decoder pre-hook
         blocks = kwargs.pop(IMAGE_BLOCKS_KWARG, None)  # Gemma3's / Gemma4's images, from the media pre-hook
         indices = kwargs.pop(INDICES_KWARG, None)  # DSA's top-k keys per query, whole sequence (``dsa.dsa_forward``)
+        selected_blocks = kwargs.pop(BLOCKS_KWARG, None)  # MiniMax-M3's blocks per query and KV group (block_sparse)
         if not getattr(module, IMAGE_BLOCKS_MARK, False):  # Gemma4's full-attention layers: causal throughout
             blocks = None
         topo = self.topology
@@ -145,9 +147,16 @@ class UlyssesAttention:
         query, key, value = autocast_like_sdpa(query, key, value)
         q, k, v = all_to_all_many((query, key, value), scatter_dim=1, gather_dim=2, group=group)  # one collective
         # [b, h/U, s/R, d]: this rank's heads over its ring portion (the whole sequence without a ring)
-        if indices is not None:  # DSA (no ring: dsa_forward refuses one): each query's selected keys
+        if indices is not None:  # DSA (no ring: validate refuses one): each query's selected keys
             scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
             out = selected_attention(q, k, v, indices, bounds, scale, kwargs.get("dropout", 0.0), sinks)
+        elif selected_blocks is not None:  # MiniMax-M3 (no ring either): this rank's heads' groups' blocks
+            scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
+            first = topo.ulysses_rank * q.shape[1]
+            out = block_selected_attention(
+                q, k, v, selected_blocks, module.indexer.block_size, query.shape[1], first, bounds, scale,
+                kwargs.get("dropout", 0.0),
+            )  # fmt: skip
         elif blocks is not None or self._uses_blocks(q, kwargs, sinks is not None):  # one op: all documents, the ring
             ring = topo.ring_group if topo.ring_size > 1 else None
             out = ring_attention(

@@ -19,6 +19,7 @@ from transformers import AttentionInterface
 
 from ..attention.dsa import PROJECTIONS, document_causal, document_ids, selected_attention, sp_index_topk
 from ..sharding import SequenceSharding
+from .block_checks import block_sparse_ok
 from .lightning import lightning_forward
 from .mamba2 import run_decay, step_sizes
 from .rg_lru import recurrent_block_forward
@@ -265,6 +266,7 @@ _MODULE_CHECKS: dict[str, Callable[[type, Callable], bool]] = {
     "HYV4Indexer": _dsa_indexer_ok,
     "Dots3NoteTextAttention": _dsa_attention_ok,
     "Dots3NoteTextIndexer": _dsa_indexer_ok,
+    "MiniMaxM3VLIndexer": block_sparse_ok,  # and its attention's hand-over: block_checks.py
     "MiniMaxLightningAttention": _lightning_ok,
     "RecurrentGemmaRecurrentBlock": _recurrent_block_ok,
     "RecurrentGemmaRglru": _rnn_scan_ok,

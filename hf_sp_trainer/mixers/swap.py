@@ -19,14 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from .. import patches
-from ..attention.dsa import PROJECTIONS, placeholder_mask, sp_index_topk
 from ..documents import (
     BOUNDS_KWARG,
     SP_KWARG,
     DocumentHook,
-    current_scope,
     in_sp_forward,
-    run_in_scope,
+    refuse_without_documents,
     scoped_sp_kwargs,
 )
 from ..memory.checkpointing import recompute_region, scope_checkpointed_layers
@@ -40,6 +38,7 @@ from .lightning import lightning_forward
 from .mamba2 import sp_mamba2_chunk_scan
 from .rg_lru import recurrent_block_forward, sp_rnn_scan
 from .runs import shard_runs
+from .selection import block_indexer_entry, dsa_attention_entry, dsa_indexer_entry
 from .selective_scan import sp_selective_scan
 
 STATE_PASSING = ("gather", "relay")  # linear_state.py (the default) and relay.py (a debugging aid)
@@ -86,19 +85,9 @@ def _sp_call(kwargs: dict, kernel: str) -> tuple[torch.Tensor | None, MixerConte
         bounds, context = scoped.get(BOUNDS_KWARG), scoped.get(SP_KWARG)
     mixers = (context or {}).get("mixers")
     if bounds is None or mixers is None:
-        _refuse_inside_sp(kernel)
+        refuse_without_documents(kernel)
         return None, None
     return bounds, mixers
-
-
-def _refuse_inside_sp(kernel: str) -> None:
-    if in_sp_forward():
-        raise RuntimeError(
-            f"{kernel} was called during a sequence-parallel forward without SP's document bounds (called outside "
-            "the model's decoder, or in a recompute outside the forward's scope): its installed "
-            "version would run on this rank's shard as if it were whole documents. Call it inside the decoder "
-            "forward, or run this model with sp_size=1."
-        )
 
 
 def _sp_active(kwargs: dict) -> bool:
@@ -268,69 +257,6 @@ def _rnn_scan_entry(original: Callable) -> Callable:
     return _rnn_scan
 
 
-def _dsa_sp(kwargs: dict, module: str):
-    """The SP topology of the model being run when SP's kwargs (``kwargs``, else the scope) mark an SP forward
-    (``None`` outside one and at sp_size 1; inside an SP forward without them, ``module`` raises)."""
-    bounds, ctx = kwargs.get(BOUNDS_KWARG), (kwargs.get(SP_KWARG) or {}).get("mixers")
-    if bounds is None:
-        scoped = scoped_sp_kwargs()
-        bounds, ctx = scoped.get(BOUNDS_KWARG), (scoped.get(SP_KWARG) or {}).get("mixers")
-    if bounds is None or ctx is None:
-        _refuse_inside_sp(module)
-        return None
-    return (bounds, ctx.topology) if ctx.topology is not None else None
-
-
-def _dsa_attention_entry(original: Callable) -> Callable:
-    """A DSA attention (``DeepseekV32Attention``): under SP its installed forward, given a placeholder for the mask
-    it slices for its indexer and SP's kwargs as the scope its indexer (called without them) reads."""
-
-    @functools.wraps(original)
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
-        sp = _dsa_sp(kwargs, type(self).__name__)
-        if sp is not None:
-            if cache is not None:
-                raise ValueError(f"{type(self).__name__} under sequence parallelism runs without a cache.")
-            seq = hidden_states.shape[1] * sp[1].sp_size
-            attention_mask = placeholder_mask(hidden_states, seq)
-            scope = (*current_scope(), {k: kwargs[k] for k in (BOUNDS_KWARG, SP_KWARG)})
-            return run_in_scope(
-                scope, original, self, hidden_states=hidden_states, position_embeddings=position_embeddings,
-                attention_mask=attention_mask, cache=cache, **kwargs,
-            )  # fmt: skip
-        return original(
-            self, hidden_states=hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
-            cache=cache, **kwargs,
-        )  # fmt: skip
-
-    return forward
-
-
-def _dsa_indexer_entry(original: Callable) -> Callable:
-    """A DSA indexer (``DeepseekV32Indexer``), called without SP's kwargs: under SP (the scope its attention set)
-    the whole sequence's top-k (``attention.dsa.sp_index_topk``); transformers' own otherwise."""
-
-    @functools.wraps(original)
-    def forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None, cache=None):
-        sp = _dsa_sp({}, type(self).__name__)
-        if sp is None:
-            return original(
-                self,
-                hidden_states=hidden_states,
-                q_resid=q_resid,
-                position_embeddings=position_embeddings,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                cache=cache,
-            )
-        bounds, topology = sp
-        with torch.no_grad():
-            projected = PROJECTIONS[type(self).__name__](self, hidden_states, q_resid, position_embeddings)
-        return sp_index_topk(self, projected, bounds, topology.sp_group, topology.sp_rank)
-
-    return forward
-
-
 def _kernel_check(module_name: str, name: str, device, fn: Callable) -> None:
     """``check_kernel``: the installed kernel still computes what its SP version relies on (a small input, on the
     CPU and where the kernel its hub wrapper dispatches to runs)."""
@@ -352,14 +278,15 @@ MODULE_ENTRIES: dict[str, tuple[str, Callable[[Callable], Callable], str]] = {
     "MiniMaxLightningAttention": ("forward", _lightning_entry, "the exact SP lightning attention"),
     "RecurrentGemmaRecurrentBlock": ("forward", _recurrent_block_entry, "the exact SP conv of the RG-LRU block"),
     "RecurrentGemmaRglru": ("_rnn_scan", _rnn_scan_entry, "the exact SP RG-LRU scan (state passed across ranks)"),
-    "DeepseekV32Attention": ("forward", _dsa_attention_entry, "DSA's attention, its indexer given SP's documents"),
-    "DeepseekV32Indexer": ("forward", _dsa_indexer_entry, "DSA's top-k over the whole sequence's keys under SP"),
-    "GlmMoeDsaAttention": ("forward", _dsa_attention_entry, "DSA's attention, its indexer given SP's documents"),
-    "GlmMoeDsaIndexer": ("forward", _dsa_indexer_entry, "DSA's top-k over the whole sequence's keys under SP"),
-    "AXK2Attention": ("forward", _dsa_attention_entry, "DSA's attention, its indexer given SP's documents"),
-    "AXK2Indexer": ("forward", _dsa_indexer_entry, "DSA's top-k over the whole sequence's keys under SP"),
-    "Dots3NoteTextAttention": ("forward", _dsa_attention_entry, "DSA's attention, its indexer given SP's documents"),
-    "Dots3NoteTextIndexer": ("forward", _dsa_indexer_entry, "DSA's top-k over the whole sequence's keys under SP"),
+    "DeepseekV32Attention": ("forward", dsa_attention_entry, "DSA's attention, its indexer given SP's documents"),
+    "DeepseekV32Indexer": ("forward", dsa_indexer_entry, "DSA's top-k over the whole sequence's keys under SP"),
+    "GlmMoeDsaAttention": ("forward", dsa_attention_entry, "DSA's attention, its indexer given SP's documents"),
+    "GlmMoeDsaIndexer": ("forward", dsa_indexer_entry, "DSA's top-k over the whole sequence's keys under SP"),
+    "AXK2Attention": ("forward", dsa_attention_entry, "DSA's attention, its indexer given SP's documents"),
+    "AXK2Indexer": ("forward", dsa_indexer_entry, "DSA's top-k over the whole sequence's keys under SP"),
+    "Dots3NoteTextAttention": ("forward", dsa_attention_entry, "DSA's attention, its indexer given SP's documents"),
+    "Dots3NoteTextIndexer": ("forward", dsa_indexer_entry, "DSA's top-k over the whole sequence's keys under SP"),
+    "MiniMaxM3VLIndexer": ("forward", block_indexer_entry, "MiniMax-M3's block top-k over the whole sequence"),
 }
 assert set(MODULE_ENTRIES) == set(SP_MODULES), "detect.SP_MODULES must name exactly the swapped classes"
 _FIX = "Use sp_size=1 for this model, or the transformers version hf_sp_trainer is tested with."

@@ -59,6 +59,11 @@ SP_INDEXERS = (
     "AXK2Indexer",
     "Dots3NoteTextIndexer",
 )  # their indexers, swapped with them
+# Attentions with a top-k selection whose forward runs as installed (it hands the selection to SP's attention as a
+# kwarg) and whose indexer is swapped: MiniMax-M3's block-sparse attention (``attention/block_sparse.py``).
+SP_BLOCK_ATTENTIONS = ("MiniMaxM3VLAttention",)
+SP_BLOCK_INDEXERS = ("MiniMaxM3VLIndexer",)
+SELECTING_ATTENTIONS = (*SP_ATTENTIONS, *SP_BLOCK_ATTENTIONS)  # exact under Ulysses only: a ring is refused
 # Mixer classes with no kernel function to hook, a method of which hf_sp_trainer.mixers.swap replaces with an exact SP
 # version (checked against the installed one): MiniMax's lightning attention; RecurrentGemma's recurrent block (its
 # conv) and RG-LRU (its scan).
@@ -68,6 +73,7 @@ SP_MODULES = (
     "RecurrentGemmaRglru",
     *SP_ATTENTIONS,
     *SP_INDEXERS,
+    *SP_BLOCK_INDEXERS,
 )
 # Kernels of cached decoding only (unreachable under SP, which runs without a cache; swapped to raise if reached).
 DECODE_ONLY_KERNELS = (
@@ -105,7 +111,7 @@ def sequence_mixers(model: torch.nn.Module) -> list[tuple[str, str, str]]:
             found.append((name, cls, "a state-space / linear-attention / recurrent layer" + _unsupported(type(module))))
         elif getattr(module, "is_causal", True) is False and _calls_attention(type(module)):
             found.append((name, cls, "a bidirectional (is_causal=False) attention (SP attention is causal)"))
-        elif _calls_attention(type(module)) and _builds_own_mask(type(module)) and cls not in SP_ATTENTIONS:
+        elif _calls_attention(type(module)) and _builds_own_mask(type(module)) and cls not in SELECTING_ATTENTIONS:
             found.append((name, cls, "an attention that computes its own mask (learned, or a top-k selection)"))
     found += _attention_without_kwargs(model)
     config = getattr(model, "config", None)

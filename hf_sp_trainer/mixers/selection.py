@@ -1,0 +1,105 @@
+"""The swapped entries of the top-k sparse attentions (``mixers.swap``'s ``MODULE_ENTRIES``): DeepSeek sparse attention
+(``attention/dsa.py``) and MiniMax-M3's block-sparse attention (``attention/block_sparse.py``).
+
+Each runs transformers' own forward outside an SP forward, the SP version inside one, and raises inside one when SP's
+document bounds did not reach it (``documents.refuse_without_documents``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from ..attention.block_sparse import m3_projection, sp_block_topk
+from ..attention.dsa import PROJECTIONS, placeholder_mask, sp_index_topk
+from ..documents import (
+    BOUNDS_KWARG,
+    SP_KWARG,
+    current_scope,
+    refuse_without_documents,
+    run_in_scope,
+    scoped_sp_kwargs,
+)
+
+
+def selection_sp(kwargs: dict, module: str):
+    """``(bounds, topology)`` of the SP forward running the caller (SP's kwargs in ``kwargs``, else the scope);
+    ``None`` outside one and at sp_size 1; inside an SP forward without them, ``module`` raises."""
+    bounds, ctx = kwargs.get(BOUNDS_KWARG), (kwargs.get(SP_KWARG) or {}).get("mixers")
+    if bounds is None:
+        scoped = scoped_sp_kwargs()
+        bounds, ctx = scoped.get(BOUNDS_KWARG), (scoped.get(SP_KWARG) or {}).get("mixers")
+    if bounds is None or ctx is None:
+        refuse_without_documents(module)
+        return None
+    return (bounds, ctx.topology) if ctx.topology is not None else None
+
+
+def dsa_attention_entry(original: Callable) -> Callable:
+    """A DSA attention (``DeepseekV32Attention``): under SP its installed forward, given a placeholder for the mask
+    it slices for its indexer and SP's kwargs as the scope its indexer (called without them) reads."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
+        sp = selection_sp(kwargs, type(self).__name__)
+        if sp is not None:
+            if cache is not None:
+                raise ValueError(f"{type(self).__name__} under sequence parallelism runs without a cache.")
+            seq = hidden_states.shape[1] * sp[1].sp_size
+            attention_mask = placeholder_mask(hidden_states, seq)
+            scope = (*current_scope(), {k: kwargs[k] for k in (BOUNDS_KWARG, SP_KWARG)})
+            return run_in_scope(
+                scope, original, self, hidden_states=hidden_states, position_embeddings=position_embeddings,
+                attention_mask=attention_mask, cache=cache, **kwargs,
+            )  # fmt: skip
+        return original(
+            self, hidden_states=hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask,
+            cache=cache, **kwargs,
+        )  # fmt: skip
+
+    return forward
+
+
+def dsa_indexer_entry(original: Callable) -> Callable:
+    """A DSA indexer (``DeepseekV32Indexer``), called without SP's kwargs: under SP (the scope its attention set)
+    the whole sequence's top-k (``attention.dsa.sp_index_topk``); transformers' own otherwise."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None, cache=None):
+        sp = selection_sp({}, type(self).__name__)
+        if sp is None:
+            return original(
+                self, hidden_states=hidden_states, q_resid=q_resid, position_embeddings=position_embeddings,
+                attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            )  # fmt: skip
+        bounds, topology = sp
+        with torch.no_grad():
+            projected = PROJECTIONS[type(self).__name__](self, hidden_states, q_resid, position_embeddings)
+        return sp_index_topk(self, projected, bounds, topology.sp_group, topology.sp_rank)
+
+    return forward
+
+
+def block_indexer_entry(original: Callable) -> Callable:
+    """MiniMax-M3's indexer (``MiniMaxM3VLIndexer``), called by its attention without SP's kwargs (the decoder's
+    scope has them): under SP the whole sequence's block top-k (``attention.block_sparse.sp_block_topk``), which the
+    installed attention hands to SP's as ``block_indices``; transformers' own otherwise."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, position_embeddings, cache=None, position_ids=None):
+        sp = selection_sp({}, type(self).__name__)
+        if sp is None:
+            return original(
+                self, hidden_states=hidden_states, position_embeddings=position_embeddings, cache=cache,
+                position_ids=position_ids,
+            )  # fmt: skip
+        if cache is not None:
+            raise ValueError(f"{type(self).__name__} under sequence parallelism runs without a cache.")
+        bounds, topology = sp
+        with torch.no_grad():
+            projected = m3_projection(self, hidden_states, position_embeddings)
+        return sp_block_topk(self, projected, bounds, topology.sp_group, topology.sp_rank)
+
+    return forward
