@@ -594,6 +594,7 @@ def test_llama4_forward_needs_the_tuple_path() -> None:
 
 
 # -- dots3-note ------------------------------------------------------------------------------------------------
+@pytest.mark.dist  # in-process, but three VLM references (~20 s): off the unit tier's budget
 def test_dots3_note_length_settings_act() -> None:
     """Negative controls for the dots3-note cases: the reference moves far beyond the tolerance when its DSA top-k (5)
     or its sliding window (7) is taken out of reach of the rows, so an SP run matching it at 1e-5 honours both."""
