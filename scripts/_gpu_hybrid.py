@@ -9,6 +9,10 @@ compares output, final state and input gradients with the unsplit call on the sa
 compared with transformers' torch kernel in fp32 (TF32 off) on the same device. Mamba1's selective scan (mamba-ssm's
 CUDA ``selective_scan_fn`` when installed) takes no initial state: its split adds the closed-form correction SP
 uses; so does RecurrentGemma's RG-LRU scan (torch only). fp32 with TF32 off and on, bf16.
+
+On CUDA, Triton's autotuner keeps only the first ``HF_SP_GPU_AUTOTUNE_CONFIGS`` (default 1) configs of each kernel,
+patched before FLA is imported: every config computes the same maths, and compiling and timing all of FLA's (a first
+256-token GDN forward took 56 s on an H200) does not fit a device session. Set it to 0 to keep them all.
 """
 
 from __future__ import annotations
@@ -169,8 +173,28 @@ def _rg_lru_case(scan, torch_scan, device, dtype, sizes) -> dict[str, float]:
     return _split_vs_whole(("x", "a"), (x, a), probe, lambda t: call(*t), as_sp, device, dtype, reference)
 
 
+def few_autotune_configs() -> int:
+    """Keep the first ``HF_SP_GPU_AUTOTUNE_CONFIGS`` configs of every Triton autotuner created from now on (0: all);
+    returns the number kept (0: unpatched, or no Triton)."""
+    import os
+
+    keep = int(os.environ.get("HF_SP_GPU_AUTOTUNE_CONFIGS", "1"))
+    if keep <= 0 or importlib.util.find_spec("triton") is None or any(m.startswith("fla.") for m in sys.modules):
+        return 0  # (FLA imported already: its autotuners exist, all kept)
+    from triton.runtime import autotuner
+
+    init = autotuner.Autotuner.__init__
+
+    def first_configs(self, fn, arg_names, configs, *args, **kwargs):
+        init(self, fn, arg_names, list(configs)[:keep], *args, **kwargs)
+
+    autotuner.Autotuner.__init__ = first_configs
+    return keep
+
+
 def hybrid_checks(device: torch.device, dry: bool) -> dict[str, Any]:
     """Every case: ``{name: max_rel figures}`` (or the error), with which kernels transformers picked."""
+    kept = few_autotune_configs() if device.type == "cuda" else 0  # before FLA's kernels are defined
     from transformers.models.jamba import modeling_jamba as jamba
     from transformers.models.kimi_linear import modeling_kimi_linear as kimi
     from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
@@ -183,6 +207,7 @@ def hybrid_checks(device: torch.device, dry: bool) -> dict[str, Any]:
         "causal_conv1d": importlib.util.find_spec("causal_conv1d") is not None,
         "mamba_ssm": importlib.util.find_spec("mamba_ssm") is not None,
         "sizes_tokens_split_heads_k_v": sizes,
+        "autotune_configs_kept": kept or "all",
     }
     modes = [("fp32", torch.float32, False), ("fp32_tf32", torch.float32, True), ("bf16", torch.bfloat16, False)]
     for label, dtype, tf32 in modes if device.type == "cuda" else modes[:1]:
