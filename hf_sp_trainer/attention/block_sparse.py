@@ -40,7 +40,8 @@ def document_positions(bounds: torch.Tensor, rows: int, seq: int, device) -> tup
 
 
 def m3_projection(indexer: torch.nn.Module, hidden_states, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
-    """``MiniMaxM3VLIndexer.forward``'s queries ``[b, G, s, D]`` and keys ``[b, s, D]`` (fp32, RoPE applied)."""
+    """``MiniMaxM3VLIndexer.forward``'s queries ``[b, G, s, D]`` (fp32) and keys ``[b, s, D]`` (the model's dtype: made
+    fp32 once gathered, exactly), RoPE applied."""
     rope = sys.modules[type(indexer).__module__].apply_rotary_pos_emb
     b, s, _ = hidden_states.shape
     dim = indexer.head_dim
@@ -48,7 +49,7 @@ def m3_projection(indexer: torch.nn.Module, hidden_states, position_embeddings) 
     k = indexer.k_norm(indexer.k_proj(hidden_states).view(b, s, 1, dim)).transpose(1, 2)
     cos, sin = position_embeddings
     q, k = rope(q, k, cos[..., :dim], sin[..., :dim])
-    return q.float(), k[:, 0].float()
+    return q.float(), k[:, 0]
 
 
 @torch.no_grad()
@@ -65,7 +66,7 @@ def sp_block_topk(
     gathered over ``group``."""
     q, keys = projected
     b, heads, s, _ = q.shape
-    keys = keys.contiguous() if group is None else all_gather_along(keys.contiguous(), dim=1, group=group)
+    keys = (keys.contiguous() if group is None else all_gather_along(keys.contiguous(), dim=1, group=group)).float()
     seq = keys.shape[1]
     size = indexer.block_size
     docs, positions = document_positions(bounds, b, seq, q.device)
