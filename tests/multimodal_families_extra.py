@@ -36,7 +36,10 @@ FAMILIES = {
     "kimi_k25": "Kimi_K25ForConditionalGeneration",  # a DeepSeek-V3 decoder (MLA, MoE); videos pooled per chunk
     "dots3_note": "Dots3NoteForConditionalGeneration",  # DSA + sliding-window MLA, MoE; a tower with MoE blocks
 }
+# Pixtral's image layout (the harness's ``PIXTRAL``: 4h x 4w pixels, h rows of w placeholders, [IMG_BREAK] rows)
+PIXTRAL_FAMILIES = {"mistral_large4": "MistralLarge4ForConditionalGeneration"}  # DSA (positional), MoE
 ULYSSES_ONLY = {"dots3_note": "DeepSeek sparse attention runs under Ulysses SP only (a ring is refused)"}
+ULYSSES_ONLY["mistral_large4"] = ULYSSES_ONLY["dots3_note"]
 
 
 def kimi_k25_config():
@@ -74,7 +77,26 @@ def dots3_note_config(topk: int = INDEX_TOPK, window: int = WINDOW):
                            video_token_id=VID, audio_token_id=AUDIO)  # fmt: skip
 
 
-CONFIGS = {"kimi_k25": kimi_k25_config, "dots3_note": dots3_note_config}
+def mistral_large4_config(topk: int = INDEX_TOPK):
+    """Mistral-Large-4: a Pixtral tower, its patch merger, a ``mistral_large4_text`` decoder of 4 DSA layers (top-
+    ``topk`` keys per query, under the documents' lengths; queries scaled by their document positions): RoPE with its
+    own indexer storing its latent kv, RoPE reusing both (``"shared"`` top-k), NoPE with its own, RoPE reusing the
+    first layer's kv with an indexer of its own; MoE after a dense first layer."""
+    from transformers import MistralLarge4Config
+
+    from tests.family_harness import tiny_config
+
+    text = tiny_config("mistral_large4_text").to_dict()
+    text |= {"num_hidden_layers": 4, "index_topk": topk, "index_n_heads": 16, "pad_token_id": 0}
+    text |= {"no_rope_layers": [1, 1, 0, 1], "indexer_types": ["full", "shared", "full", "full"]}
+    text |= {"kv_source_layers": [0, 0, 2, 0], "layer_types": ["indexed_attention"] * 4}
+    text["mlp_layer_types"] = ["dense"] + ["sparse"] * 3
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, head_dim=8, image_size=16, patch_size=2)  # fmt: skip
+    return MistralLarge4Config(vision_config=vision, text_config=text, image_token_index=IMG, spatial_merge_size=2)
+
+
+CONFIGS = {"kimi_k25": kimi_k25_config, "dots3_note": dots3_note_config, "mistral_large4": mistral_large4_config}
 
 
 def extra_medium(
@@ -109,3 +131,16 @@ def dots3_note_reference_gaps(layout: str) -> dict[str, float]:
         other = reference(_instantiate_vlm("dots3_note", dots3_note_config(**kwargs), 0), examples)
         out[name] = worst_error(ref, other)[0]
     return out
+
+
+def mistral_large4_reference_gap(layout: str) -> float:
+    """Negative control: how far the reference (each document alone) moves when Mistral-Large-4's top-k is taken out
+    of reach of the rows (10**6: every key selected)."""
+    from tests.multimodal_harness import LAYOUTS, _instantiate_vlm, make_examples, reference, worst_error
+
+    examples = make_examples(LAYOUTS[layout], "mistral_large4")
+    ref, every = (
+        reference(_instantiate_vlm("mistral_large4", mistral_large4_config(topk), 0), examples)
+        for topk in (INDEX_TOPK, 10**6)
+    )
+    return worst_error(ref, every)[0]

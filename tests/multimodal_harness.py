@@ -21,7 +21,7 @@ from hf_sp_trainer.model.vlm import vlm_base
 from tests.harness import worst_error
 from tests.multimodal_families_extra import CONFIGS as EXTRA_CONFIGS
 from tests.multimodal_families_extra import FAMILIES as EXTRA_FAMILIES
-from tests.multimodal_families_extra import extra_medium
+from tests.multimodal_families_extra import PIXTRAL_FAMILIES, extra_medium
 from tests.multimodal_llama4 import forward_logits, llama4_config, llama4_image, with_return_dict
 
 VOCAB = tiny_vlm.VOCAB
@@ -74,9 +74,10 @@ FAMILIES = {
     # Llama-4: tiles, pixel-shuffled; chunked attention and a NoPE temperature in its decoder (multimodal_llama4.py)
     "llama4": "Llama4ForConditionalGeneration",
     **EXTRA_FAMILIES,  # Kimi-K2.5 and dots3-note: tests/multimodal_families_extra.py
+    **PIXTRAL_FAMILIES,  # Mistral-Large-4: Pixtral's images, a DSA decoder (tests/multimodal_families_extra.py)
 }
 GEMMA4 = ("gemma4", "gemma4_causal")  # h x w patches of 2 x 2 pixels (positions, -1 = padding), pooled 2 x 2
-PIXTRAL = ("mistral3", "lighton_ocr")  # images of any size, [IMG_BREAK] rows
+PIXTRAL = ("mistral3", "lighton_ocr", *PIXTRAL_FAMILIES)  # images of any size, [IMG_BREAK] rows
 SHUFFLED = ("aya_vision", "cohere2_vision")  # 16 x 16 pixels, 2 x 2 patches, pixel-shuffled by 2: 16 placeholders
 IDEFICS = ("idefics3", "smolvlm", "idefics2")  # the same tower shape, images per example in a batch dim of their own
 TILED = ("llava_next", "llava_onevision", "llava_next_video")  # any-resolution tiles, a newline feature per row

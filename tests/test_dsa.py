@@ -149,3 +149,63 @@ def test_a_ring_is_refused_before_any_collective():
     assert validate_model_for_sp(model, 4) == (4, 1)
     with pytest.raises(ValueError, match="DeepseekV32Attention.*Ulysses SP only.*sp_ring_size=1"):
         validate_model_for_sp(model, 4, ring_size=2)
+
+
+# -- Mistral-Large-4: an indexer of the hidden states, its queries scaled by their document positions ---------------
+def test_mistral_large4_checks_pass_and_catch_what_they_guard(monkeypatch):
+    """Its checks pass on the installed classes (a RoPE, a NoPE and a shared-top-k layer) and fail when what they
+    guard breaks: the indexer's query scaling dropped, or given whole-row positions instead of each document's, or
+    its interleaved RoPE computed as DeepSeek-V3.2's; an attention that never hands its top-k to the kernel."""
+    from transformers.models.mistral_large4 import modeling_mistral_large4 as ml4
+
+    from hf_sp_trainer.mixers.positional_dsa_checks import positional_attention_ok, positional_indexer_ok
+
+    indexer, attention = ml4.MistralLarge4TextIndexer, ml4.MistralLarge4TextAttention
+    assert positional_indexer_ok.__wrapped__(indexer, indexer.forward)
+    assert positional_attention_ok.__wrapped__(attention, attention.forward)
+    original = dsa.POSITIONAL_PROJECTIONS[indexer.__name__]
+
+    def unscaled(module, hidden, embeddings, positions):
+        module.softmax_scaling.forward = lambda q, *args, **kwargs: q  # the check's own module, built for it
+        return original(module, hidden, embeddings, positions)
+
+    def row_positions(module, hidden, embeddings, positions):
+        return original(module, hidden, embeddings, torch.arange(hidden.shape[1])[None])
+
+    def half_split_rope(module, hidden, embeddings, positions):
+        with monkeypatch.context() as m:
+            m.setattr(ml4, "apply_rotary_pos_emb_interleave", v32.apply_rotary_pos_emb)
+            return original(module, hidden, embeddings, positions)
+
+    for broken in (unscaled, row_positions, half_split_rope):
+        monkeypatch.setitem(dsa.POSITIONAL_PROJECTIONS, indexer.__name__, broken)
+        assert not positional_indexer_ok.__wrapped__(indexer, indexer.forward), broken.__name__
+    monkeypatch.setitem(dsa.POSITIONAL_PROJECTIONS, indexer.__name__, original)
+
+    def eager_only(self, **kwargs):  # attends through eager's mask, never the registered kernel
+        key, self.config._attn_implementation = self.config._attn_implementation, "eager"
+        try:
+            return attention.forward(self, **kwargs)
+        finally:
+            self.config._attn_implementation = key
+
+    assert not positional_attention_ok.__wrapped__(attention, eager_only)
+
+
+def test_mistral_large4_ring_refused_and_its_top_k_acts():
+    """The matrix's Mistral-Large-4 (tests/multimodal_families_extra.py) runs Ulysses only, and its decoder's top-5
+    changes its loss: every key selected instead moves it far beyond the tolerance."""
+    from tests.multimodal_harness import build_vlm
+
+    model = build_vlm("mistral_large4")
+    assert validate_model_for_sp(model, 4) == (4, 1)
+    with pytest.raises(ValueError, match="MistralLarge4TextAttention.*Ulysses SP only.*sp_ring_size=1"):
+        validate_model_for_sp(model, 4, ring_size=2)
+    ids = torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        sparse = model(input_ids=ids, labels=ids).loss.item()
+        for layer in model.model.language_model.layers:
+            if layer.self_attn.indexer is not None:
+                layer.self_attn.indexer.index_topk = 10**6
+        dense = model(input_ids=ids, labels=ids).loss.item()
+    assert abs(dense / sparse - 1) > 10 * EXACT

@@ -31,6 +31,7 @@ EXACT = {
     "deepseek_v32": "DeepseekV32ForCausalLM",  # DSA: its attention and indexer swapped (attention/dsa.py)
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "dots3_note_text": "Dots3NoteForCausalLM",  # DSA on its indexed layers, sliding-window MLA on the others
+    "mistral_large4_text": "MistralLarge4TextModel",  # DSA, queries scaled by document position (no causal LM)
     "minimax_m3_vl_text": "MiniMaxM3VLForCausalLM",  # block top-k: its indexer swapped (attention/block_sparse.py)
 }
 

@@ -121,6 +121,10 @@ SP2 = [
     Case("kimi_k25", "padded", ring=2),
     Case("dots3_note", "mixed"),
     Case("dots3_note", "padded"),
+    # Mistral-Large-4: Pixtral's images, DSA with top-5 keys per query on RoPE / NoPE / shared-top-k / kv-sharing
+    # layers, its queries scaled by their document positions (Ulysses only)
+    Case("mistral_large4", "mixed"),
+    Case("mistral_large4", "padded"),
 ]
 SP4 = [
     Case("qwen2_vl", "mixed", ring=2),
@@ -178,6 +182,8 @@ SP4 = [
     Case("kimi_k25", "mixed", ring=2),
     Case("dots3_note", "mixed"),
     Case("dots3_note", "padded"),
+    Case("mistral_large4", "mixed"),
+    Case("mistral_large4", "padded"),
 ]
 
 
@@ -604,6 +610,18 @@ def test_dots3_note_length_settings_act() -> None:
         gaps = dots3_note_reference_gaps(layout)
         print(layout, {k: f"{v:.2e}" for k, v in gaps.items()})
         assert min(gaps.values()) > 1e-2, (layout, gaps)
+
+
+@pytest.mark.dist  # in-process, but four VLM references: off the unit tier's budget, as dots3-note's
+def test_mistral_large4_top_k_acts() -> None:
+    """Negative control for the Mistral-Large-4 cases: the reference moves far beyond the tolerance when its DSA top-k
+    (5) is taken out of reach of the rows, so an SP run matching it at 1e-5 honours it."""
+    from tests.multimodal_families_extra import mistral_large4_reference_gap
+
+    for layout in ("mixed", "padded"):
+        gap = mistral_large4_reference_gap(layout)
+        print(layout, f"{gap:.2e}")
+        assert gap > 1e-2, (layout, gap)
 
 
 # -- TRL's vision SFT format ------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ GLM5 = "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa"
 AXK2 = "transformers.models.axk2.modeling_axk2"
 DOTS3 = "transformers.models.dots3_note.modeling_dots3_note"
 M3 = "transformers.models.minimax_m3_vl.modeling_minimax_m3_vl"
+ML4 = "transformers.models.mistral_large4.modeling_mistral_large4"
 INDEXER = ("n_heads", "head_dim", "qk_rope_head_dim", "index_topk", "wq_b", "wk", "k_norm", "weights_proj")
 GRPO, RLOO = "trl.trainer.grpo_trainer.GRPOTrainer", "trl.trainer.rloo_trainer.RLOOTrainer"
 SFT, DPO, KTO, REWARD = (
@@ -138,6 +139,19 @@ CONTRACT: list[Member] = [
                            (GLM5, "GlmMoeDsa", "apply_rotary_pos_emb_interleave"),
                            (AXK2, "AXK2", "apply_rotary_pos_emb"),
                            (DOTS3, "Dots3NoteText", "apply_rotary_pos_emb_interleave"))),
+    Member(f"{ML4}.MistralLarge4TextAttention.forward",
+           "mixers/swap.py swaps it (behaviour-checked): a mask placeholder; its top-k returned for a shared layer",
+           params=("self", "hidden_states", "position_embeddings", "attention_mask", "shared_kv_states", "position_ids",
+                   "cache", "prev_topk_indices"),
+           refers=("indexer", "attention_mask", "sparse_indices", "topk_indices", "softmax_scaling", "position_ids",
+                   "prev_topk_indices", "shared_kv_states")),
+    Member(f"{ML4}.MistralLarge4TextIndexer.forward",
+           "mixers/selection.py swaps it; attention/dsa.py recomputes its projection (mistral_large4_projection)",
+           params=("self", "hidden_states", "position_embeddings", "attention_mask", "position_ids", "cache"),
+           refers=(*INDEXER, "q_input_norm", "softmax_scaling", "use_rope", "apply_rotary_pos_emb_interleave",
+                   "softmax_scale")),
+    Member(f"{ML4}.MistralLarge4TextSoftmaxScaling.forward", "attention/dsa.py calls it as the indexer does",
+           params=("self", "query_states", "position_ids", "head_dim_first")),
     Member(f"{M3}.MiniMaxM3VLAttention.forward", "attention/block_sparse.py: it hands its indexer's blocks to SP's",
            params=("self", "hidden_states", "position_embeddings", "attention_mask", "cache"),
            refers=("indexer", "block_indices", "build_block_mask", "_attn_implementation")),

@@ -1,4 +1,5 @@
-"""DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5, AXK2, Dots3-Note; HY-V4's parts) under Ulysses SP, exact.
+"""DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5, AXK2, Dots3-Note, Mistral-Large-4; HY-V4's parts) under
+Ulysses SP, exact.
 
 DSA attends each query to the top-k keys of its document's causal prefix, chosen by a lightning indexer: one shared
 key per token, ``score(i, j) = sum_h w_h(i) relu(q_h(i) . k(j) / sqrt(d))`` in fp32, no gradient. transformers'
@@ -100,6 +101,32 @@ PROJECTIONS: dict[str, Callable] = {
     "Dots3NoteTextIndexer": functools.partial(v32_projection, rope="apply_rotary_pos_emb_interleave"),
     "HYV4Indexer": hy_v4_projection,
 }
+
+
+def mistral_large4_projection(indexer: torch.nn.Module, hidden_states, position_embeddings, position_ids):
+    """``MistralLarge4TextIndexer.forward``'s: queries from the hidden states (``q_input_norm``, ``wq_b``; no
+    ``q_resid``), scaled per head by ``scale * log(position + 1) + bias`` at each token's position in its document
+    (``position_ids``: SP's document-relative positions of this rank's tokens), interleaved RoPE on the first
+    ``qk_rope_head_dim`` dims on its RoPE layers only (``use_rope``; its ``no_rope_layers`` entry)."""
+    rope = sys.modules[type(indexer).__module__].apply_rotary_pos_emb_interleave
+    b, s, _ = hidden_states.shape
+    heads, dim, rot = indexer.n_heads, indexer.head_dim, indexer.qk_rope_head_dim
+    q = indexer.wq_b(indexer.q_input_norm(hidden_states)).view(b, s, heads, dim)
+    q = indexer.softmax_scaling(q, position_ids, head_dim_first=False)
+    k = indexer.k_norm(indexer.wk(hidden_states)).unsqueeze(2)
+    if indexer.use_rope:
+        cos, sin = position_embeddings
+        q_rot, q_pass = torch.split(q, [rot, dim - rot], dim=-1)
+        k_rot, k_pass = torch.split(k, [rot, dim - rot], dim=-1)
+        q_rot, k_rot = rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+        q, k = torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k_pass], dim=-1)
+    weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float() * heads**-0.5
+    return q.float(), k.squeeze(2), weights, indexer.softmax_scale
+
+
+# Indexers called ``(hidden_states, position_embeddings, attention_mask, position_ids, cache)`` (no ``q_resid``):
+# their projection from the hidden states, the embeddings and this rank's document positions
+POSITIONAL_PROJECTIONS: dict[str, Callable] = {"MistralLarge4TextIndexer": mistral_large4_projection}
 
 
 @torch.no_grad()

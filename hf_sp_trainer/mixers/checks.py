@@ -22,6 +22,7 @@ from ..sharding import SequenceSharding
 from .block_checks import block_sparse_ok
 from .lightning import lightning_forward
 from .mamba2 import run_decay, step_sizes
+from .positional_dsa_checks import positional_attention_ok, positional_indexer_ok
 from .rg_lru import recurrent_block_forward
 from .runs import shard_runs
 from .selective_scan import discretised_steps, state_output
@@ -266,6 +267,8 @@ _MODULE_CHECKS: dict[str, Callable[[type, Callable], bool]] = {
     "HYV4Indexer": _dsa_indexer_ok,
     "Dots3NoteTextAttention": _dsa_attention_ok,
     "Dots3NoteTextIndexer": _dsa_indexer_ok,
+    "MistralLarge4TextAttention": positional_attention_ok,  # positions, NoPE, shared top-k: positional_dsa_checks
+    "MistralLarge4TextIndexer": positional_indexer_ok,
     "MiniMaxM3VLIndexer": block_sparse_ok,  # and its attention's hand-over: block_checks.py
     "MiniMaxLightningAttention": _lightning_ok,
     "RecurrentGemmaRecurrentBlock": _recurrent_block_ok,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from ..attention.block_sparse import m3_projection, sp_block_topk
-from ..attention.dsa import PROJECTIONS, placeholder_mask, sp_index_topk
+from ..attention.dsa import POSITIONAL_PROJECTIONS, PROJECTIONS, placeholder_mask, sp_index_topk
 from ..documents import (
     BOUNDS_KWARG,
     SP_KWARG,
@@ -77,6 +77,30 @@ def dsa_indexer_entry(original: Callable) -> Callable:
         bounds, topology = sp
         with torch.no_grad():
             projected = PROJECTIONS[type(self).__name__](self, hidden_states, q_resid, position_embeddings)
+        return sp_index_topk(self, projected, bounds, topology.sp_group, topology.sp_rank)
+
+    return forward
+
+
+def positional_indexer_entry(original: Callable) -> Callable:
+    """A DSA indexer called with ``position_ids`` and no ``q_resid`` (``MistralLarge4TextIndexer``: its query scaling
+    reads each token's document position): under SP the whole sequence's top-k (``attention.dsa.sp_index_topk``)
+    from ``POSITIONAL_PROJECTIONS``; transformers' own otherwise."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, position_embeddings, attention_mask, position_ids, cache=None):
+        sp = selection_sp({}, type(self).__name__)
+        if sp is None:
+            return original(
+                self, hidden_states=hidden_states, position_embeddings=position_embeddings,
+                attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+            )  # fmt: skip
+        if cache is not None:
+            raise ValueError(f"{type(self).__name__} under sequence parallelism runs without a cache.")
+        bounds, topology = sp
+        with torch.no_grad():
+            project = POSITIONAL_PROJECTIONS[type(self).__name__]
+            projected = project(self, hidden_states, position_embeddings, position_ids)
         return sp_index_topk(self, projected, bounds, topology.sp_group, topology.sp_rank)
 
     return forward

@@ -52,12 +52,19 @@ SP_KERNELS = (
 # replaces with an exact SP version (checked against the installed one): DeepSeek-V3.2's sparse attention (DSA).
 # (HY-V4's DSA passes its checks and its loss is bitwise equal at sp 2, but its final hyper-head's gradients differ
 # by 2e-5 relative, above the 1e-5 bar: not swapped until that is understood.)
-SP_ATTENTIONS = ("DeepseekV32Attention", "GlmMoeDsaAttention", "AXK2Attention", "Dots3NoteTextAttention")
+SP_ATTENTIONS = (
+    "DeepseekV32Attention",
+    "GlmMoeDsaAttention",
+    "AXK2Attention",
+    "Dots3NoteTextAttention",
+    "MistralLarge4TextAttention",  # queries scaled by document position; NoPE and shared layers
+)
 SP_INDEXERS = (
     "DeepseekV32Indexer",
     "GlmMoeDsaIndexer",
     "AXK2Indexer",
     "Dots3NoteTextIndexer",
+    "MistralLarge4TextIndexer",
 )  # their indexers, swapped with them
 # Attentions with a top-k selection whose forward runs as installed (it hands the selection to SP's attention as a
 # kwarg) and whose indexer is swapped: MiniMax-M3's block-sparse attention (``attention/block_sparse.py``).
