@@ -36,6 +36,22 @@ EXACT = {
 }
 
 
+def test_an_ngram_embedding_of_previous_tokens_is_refused() -> None:
+    """Qwen4-Exp's per-layer embeddings hash the previous tokens' ids (its released configs set ``ple_layer_ids``; the
+    tiny default has none): under SP each shard's first tokens would hash the wrong history, so it is named."""
+    import transformers
+
+    from tests.family_harness import tiny_config
+
+    config = tiny_config("qwen4_exp_text")
+    config.ple_layer_ids = [1]
+    torch.manual_seed(0)
+    model = transformers.Qwen4ExpForCausalLM(config)
+    assert any("NGram" in type(m).__name__ for m in model.modules())
+    names = [(where, cls) for where, cls, what in sequence_mixers(model) if "previous tokens' ids" in what]
+    assert names == [("model.layers.0.ple.ple_embedding", "Qwen4ExpTextNGramEmbedding")], names
+
+
 @pytest.mark.parametrize("model_type", list(REFUSED))
 def test_refused_naming_the_layer(model_type: str) -> None:
     class_name, fragments = REFUSED[model_type]

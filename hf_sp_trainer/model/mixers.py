@@ -97,6 +97,8 @@ MIXING_FUNCTION = re.compile(r"conv|delta|scan|selective|recurren|lightning|ssd|
 # ``config.sliding_window`` is set). SP gives that window to the attention itself (``mask_only_window``); the family
 # suite crosses the window under its rows, so a modeling change that breaks this fact fails there.
 MASK_ONLY_WINDOWS = {"PhimoeAttention": "sliding_window"}
+# Modules that read earlier tokens' ids (n-gram embeddings): each rank's first tokens would miss theirs under SP
+TOKEN_HISTORY = re.compile(r"N[Gg]ram(Embedding|Hash)")
 HYBRID_ADVICE = (
     "Use sp_size=1 for this model (hf_sp_trainer.mixers runs Gated DeltaNet, Kimi delta attention, Mamba1, Mamba2, "
     "short convolutions, MiniMax's lightning attention and RecurrentGemma's RG-LRU exactly under SP; this layer is "
@@ -114,6 +116,8 @@ def sequence_mixers(model: torch.nn.Module) -> list[tuple[str, str, str]]:
             continue  # a mixer SP runs exactly, a part of it, or a layer holding it (checked on its own)
         if isinstance(module, _ConvNd):
             found.append((name, cls, "a convolution over the sequence"))
+        elif TOKEN_HISTORY.search(cls):  # Qwen4-Exp: hashed n-grams of the previous token ids
+            found.append((name, cls, "an embedding of the previous tokens' ids (a shard's first tokens lack theirs)"))
         elif _is_mixer_class(model, type(module)) and not _is_inside(name, found) and not _holds(model, module):
             found.append((name, cls, "a state-space / linear-attention / recurrent layer" + _unsupported(type(module))))
         elif getattr(module, "is_causal", True) is False and _calls_attention(type(module)):
