@@ -44,7 +44,7 @@ def test_an_ngram_embedding_of_previous_tokens_is_refused() -> None:
     from tests.family_harness import tiny_config
 
     config = tiny_config("qwen4_exp_text")
-    config.ple_layer_ids = [1]
+    config.ple_layer_ids, config.ngram_vocab_size_base = [1], 64  # a small hashed vocabulary (the default: millions)
     torch.manual_seed(0)
     model = transformers.Qwen4ExpForCausalLM(config)
     assert any("NGram" in type(m).__name__ for m in model.modules())

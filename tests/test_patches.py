@@ -353,9 +353,10 @@ def _sp_run_patches(family: str, out_dir: str) -> list[tuple[str, str, str]]:
         ("llama", set()),
         ("qwen3_moe", {"transformers.models.qwen3_moe.modeling_qwen3_moe.load_balancing_loss_func",
                        "transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func"}),
-        ("qwen3_5", {f"transformers.models.qwen3_5.modeling_qwen3_5.{name}" for name in (
+        ("qwen3_5", {f"transformers.models.qwen3_5.modeling_qwen3_5.{name}" for name in (  # + recompute in scope
             "causal_conv1d_fn", "torch_chunk_gated_delta_rule", "causal_conv1d_update",
-            "torch_recurrent_gated_delta_rule")}),
+            "torch_recurrent_gated_delta_rule", "Qwen3_5DecoderLayer[model.layers.0].__class__",
+            "Qwen3_5DecoderLayer[model.layers.1].__class__")}),
         ("jamba", {f"transformers.models.{name}" for name in (  # Mamba1 + MoE; the layers: recompute in scope
             *(f"jamba.modeling_jamba.{kernel}" for kernel in (
                 "causal_conv1d_fn", "mamba_selective_scan", "mamba_inner_fn", "causal_conv1d_update",
