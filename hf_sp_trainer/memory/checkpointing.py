@@ -192,8 +192,9 @@ def wrap_checkpointed_layers(model: torch.nn.Module, context_fn=None, offload: H
 
 def scope_checkpointed_layers(model: torch.nn.Module) -> int:
     """Make every decoder layer of ``model`` recompute under the SP scope of its forward (the same class swap, with
-    no memory settings unless ``wrap_checkpointed_layers`` gives some): the kernels of a layer that drops SP's kwargs
-    (``MambaModel``'s, Mamba1's selective scan) find them in the scope, also when checkpointing replays the layer."""
+    no memory settings unless ``wrap_checkpointed_layers`` gives some), for every model with a swapped kernel: the
+    kernels of a layer that drops SP's kwargs (``MambaModel``'s, Mamba1's selective scan, the selection indexers)
+    find them in the scope, also when checkpointing replays the layer (else they would raise there)."""
     return _wrap_layers(model, (None, None), replace=False)
 
 
