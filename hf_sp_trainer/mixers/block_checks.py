@@ -18,6 +18,7 @@ from ..attention.block_sparse import (
     sp_block_topk,
 )
 from ..attention.dsa import document_causal
+from .check_parts import random_module, rotary_embedding
 
 BLOCK_CHECK_KEY = "hf_sp_block_sparse_check"  # the attention key the check registers (SP's block attention)
 _DOCS = ((0, 10), (10, 23))  # two documents: blocks of 3 keys, partial ones, the second starting inside a block
@@ -35,13 +36,7 @@ def _parts(cls: type):
     )  # fmt: skip
     config._attn_implementation = "eager"
     attention_cls = getattr(modeling, cls.__name__.removesuffix("Indexer") + "Attention")
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        layer = attention_cls(config, 0).float().eval()
-        for p in layer.parameters():
-            torch.nn.init.normal_(p, std=0.3)
-    rotary = next(v for k, v in vars(modeling).items() if k.endswith("RotaryEmbedding"))(config)
-    return layer, rotary
+    return random_module(attention_cls, config), rotary_embedding(cls, config)
 
 
 def _selected(selection: torch.Tensor, bounds: torch.Tensor, size: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from transformers import AttentionInterface
 from ..attention.dsa import PROJECTIONS, document_causal, document_ids, selected_attention, sp_index_topk
 from ..sharding import SequenceSharding
 from .block_checks import block_sparse_ok
+from .check_parts import random_module, rotary_embedding
 from .lightning import lightning_forward
 from .mamba2 import run_decay, step_sizes
 from .positional_dsa_checks import positional_attention_ok, positional_indexer_ok
@@ -191,12 +192,7 @@ def _dsa_parts(cls: type):
         sizes["layer_types"] = ["indexed_attention"]
     config = config_cls(**sizes)
     config._attn_implementation = "eager"  # HY-V4's sinks: eager only
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        module = cls(config, 0).float().eval()
-        for p in module.parameters():
-            torch.nn.init.normal_(p, std=0.3)
-    rotary = next(v for k, v in vars(modeling).items() if k.endswith("RotaryEmbedding"))(config)
+    module, rotary = random_module(cls, config), rotary_embedding(cls, config)
     if "layer_type" in inspect.signature(rotary.forward).parameters:  # per layer type (Dots3-Note)
         return module, functools.partial(rotary, layer_type=config.layer_types[0])
     return module, rotary
