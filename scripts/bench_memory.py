@@ -1,7 +1,8 @@
 """Benchmark: per-rank peak memory and step time of the memory stack as the sequence length grows.
 
 Each measurement is one real ``SPTrainer`` training step (forward, backward, AdamW step) on ``sp`` spawned processes,
-after a short warm-up step that allocates the optimizer state: CPU peak = VmHWM of the step (glibc told to return
+after a short warm-up step that allocates the optimizer state (``ckpt_auto``: and after the steps its policy measures,
+full checkpointing at the length): CPU peak = VmHWM of the step (glibc told to return
 freed memory), CUDA peak = ``max_memory_allocated``. Feature combinations are ``MemoryArguments`` fields (plus
 ``gradient_checkpointing``); a combination whose feature is not implemented yet is skipped.
 
@@ -44,6 +45,7 @@ COMBOS = {
     "fused_loss": {"fused_loss": True},
     "ckpt_full": {"gradient_checkpointing": True},
     "ckpt_seq_aware": {"gradient_checkpointing": True, "checkpoint_policy": "sequence_aware"},
+    "ckpt_auto": {"gradient_checkpointing": True, "checkpoint_policy": "auto"},  # budget: --auto-budget-gib
     "offload": {"gradient_checkpointing": True, "checkpoint_offloading": True},
     "everything": {
         "tiled_mlp": True,
@@ -114,6 +116,8 @@ def measure(opts, model_name: str, sp: int, combo: str, length: int, out_dir: st
     from transformers import PrinterCallback
 
     from hf_sp_trainer import SPDataCollator, SPTrainer, TrainingArguments
+    from hf_sp_trainer.memory.checkpointing import KEEP_BUDGET_MARK
+    from hf_sp_trainer.memory.keep_budget import KeepBudget
 
     class Trainer(SPTrainer):
         def _get_train_sampler(self, train_dataset=None):  # the short warm-up row first
@@ -127,22 +131,29 @@ def measure(opts, model_name: str, sp: int, combo: str, length: int, out_dir: st
     features = dict(COMBOS[combo])
     if features.get("gradient_checkpointing"):
         features["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    auto = features.get("checkpoint_policy") == "auto"
+    if auto:  # its first steps run as full checkpointing and measure: the measured step is the one after them
+        features["checkpoint_memory_budget"] = (opts.auto_budget_gib or opts.cap_gib) * 2**30
+    long_steps = max(opts.long_steps, 1 + (KeepBudget.WARMUP_STEPS if auto else 0))
     args = TrainingArguments(
-        output_dir=out_dir, sp_size=sp, max_steps=2, per_device_train_batch_size=1, optim="adamw_torch",
+        output_dir=out_dir, sp_size=sp, max_steps=1 + long_steps, per_device_train_batch_size=1, optim="adamw_torch",
         learning_rate=1e-5, save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=10,
         use_cpu=not cuda, bf16=cuda, ddp_backend=("nccl" if cuda else "gloo") if sp > 1 else None,
         dataloader_num_workers=0, remove_unused_columns=False, sp_throughput_logging=False, **features,
     )  # fmt: skip
     generator = torch.Generator().manual_seed(length)
     rows = [_row(min(256 * sp, length), opts.doc_len, config.vocab_size, generator)]
-    rows.append(_row(length, opts.doc_len, config.vocab_size, generator))
+    rows += [_row(length, opts.doc_len, config.vocab_size, generator)] * long_steps
     record = {"model": model_name, "sp": sp, "combo": combo, "length": length, "doc_len": opts.doc_len or length}
     trainer = Trainer(
         model=model, args=args, train_dataset=rows, data_collator=SPDataCollator(),
-        callbacks=[_step_callback(opts.device, 1, record)],
+        callbacks=[_step_callback(opts.device, len(rows) - 1, record)],
     )  # fmt: skip
     trainer.remove_callback(PrinterCallback)
     trainer.train()
+    if auto:
+        keep = getattr(model, KEEP_BUDGET_MARK)
+        record.update(kept_layers=keep.kept_layers[-1], auto_budget_mb=keep.budget / 2**20)
     del trainer, model
     gc.collect()
     if cuda:
@@ -309,6 +320,10 @@ def main() -> None:
     parser.add_argument("--search-max", type=int, default=1 << 20)
     parser.add_argument("--bisect", type=int, default=2)
     parser.add_argument("--cap-gib", type=float, default=8.0)
+    parser.add_argument("--long-steps", type=int, default=1,
+                        help="steps at the length, the last one measured (ckpt_auto: at least 3)")  # fmt: skip
+    parser.add_argument("--auto-budget-gib", type=float, default=None,
+                        help="ckpt_auto's checkpoint_memory_budget per process (default: --cap-gib)")  # fmt: skip
     parser.add_argument("--max-seconds", type=float, default=300.0, help="do not run (longer) steps beyond this")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--attn", default="sdpa")

@@ -41,8 +41,10 @@ pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below ar
 GC = {"gradient_checkpointing": True}
 SAC = {"checkpoint_policy": "sequence_aware"}
 OFFLOAD = {"checkpoint_offloading": True}
+AUTO = {"checkpoint_policy": "auto", "checkpoint_memory_budget": 1e15}  # from the second step every layer keeps
 CASES = [
     Case("sac_llama_sp2", train_overrides=GC, sp_overrides=SAC),
+    Case("auto_llama_sp2_ga2", grad_accum=2, train_overrides=GC, sp_overrides=AUTO),
     Case(
         "sac_offload_mistral_eager_sp2", family="mistral", attn="eager", train_overrides=GC, sp_overrides=SAC | OFFLOAD
     ),

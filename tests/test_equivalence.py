@@ -46,8 +46,10 @@ WORLD2 = [
     Case("ring2_one_token_docs", min_len=1, max_len=12, batch_size=4, sp_overrides=RING2),
     Case("ring2_memory_stack", train_overrides={"gradient_checkpointing": True}, sp_overrides=RING2 | MEMORY_STACK),
 ]
+REBALANCE = {"train_sampling_strategy": "batch_rebalance"}  # both runs: the same examples in each optimizer step
 WORLD4 = [
     Case("sp4_llama_gqa_kv2", sp_size=4, world_size=4),
+    Case("dp2sp2_rebalanced_ga2", grad_accum=2, world_size=4, min_len=2, max_len=60, train_overrides=REBALANCE),
     Case("sp4_qwen3_sgd", family="qwen3", optim="sgd", sp_size=4, world_size=4),
     Case("dp2sp2_llama_sgd", optim="sgd", sp_size=2, world_size=4),
     Case("dp2sp2_llama_adamw_ga2", grad_accum=2, sp_size=2, world_size=4),

@@ -192,6 +192,27 @@ def test_memory_stack_and_sharding_only_lengthen():
     assert zeros == sorted(zeros)
 
 
+def test_auto_keeps_fewer_layers_as_rows_grow_and_none_at_the_longest():
+    """``checkpoint_policy="auto"``: every attention layer keeps its outputs on short rows, fewer as the row grows,
+    none at full checkpointing's longest length; the predicted peak stays within the budget."""
+    m = ModelShape.from_config(transformers.LlamaConfig(**LLAMA_8B))
+    budget = 80 * planner.GIB
+    setting = Setting(gpus=8, sp=8, zero=3, tiled_mlp=True, fused_loss=True)
+    longest = longest_length(m, setting, budget)
+    step = planner.granularity(m, setting)
+    kept = [
+        planner.auto_kept_layers(m, setting, n, budget) for n in range(step, longest + 1, longest // 16 // step * step)
+    ]
+    assert kept[0][0] == m.attention_layers and planner.auto_kept_layers(m, setting, longest, budget)[0] == 0
+    assert [k for k, _ in kept] == sorted((k for k, _ in kept), reverse=True) and 0 < kept[-4][0] < m.layers
+    assert all(peak <= budget for _, peak in kept)
+    sequence_aware = longest_length(m, replace(setting, checkpointing="sequence_aware"), budget)
+    assert sequence_aware < longest  # what auto adds: sequence_aware's savings where they fit, full's length
+    code, out = _run_cli("--model", TINY, "--gpus", "2", "--gpu-memory-gib", "1", "--device", "cpu", "--dtype",
+                         "fp32", "--table-zero", "0", "--checkpointing", "auto", "--length", "1024")  # fmt: skip
+    assert code == 0 and "checkpoint_policy=auto (budget 1 GiB)" in out and "attention layers keep" in out
+
+
 def _run_cli(*argv: str) -> tuple[int, str]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -17,7 +17,13 @@ WORLD2 = [
     SFTCase("dft_loss", config={"loss_type": "dft"}),
     SFTCase("lora", lora=True),
 ]
-WORLD4 = [SFTCase("dp2sp2_lora_completion", data="prompt_completion", lora=True, world_size=4)]
+# DP evaluation of fewer packed rows than ranks repeats a row (plain DDP too): evaluate the 4 examples unpacked
+REBALANCED_BFD = {"packing": True, "packing_strategy": "bfd", "max_length": 96, "eval_packing": False,
+                  "train_sampling_strategy": "batch_rebalance"}  # fmt: skip
+WORLD4 = [
+    SFTCase("dp2sp2_lora_completion", data="prompt_completion", lora=True, world_size=4),
+    SFTCase("dp2sp2_packing_bfd_rebalanced", config=REBALANCED_BFD, batch_size=2, world_size=4),  # TRL's seq_lengths
+]
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora-r", type=int, default=16)
     p.add_argument("--tiled-mlp", action="store_true")
     p.add_argument("--fused-loss", action="store_true")
-    p.add_argument("--checkpointing", default="full", choices=["none", "full", "sequence_aware"])
+    p.add_argument("--checkpointing", default="full", choices=["none", "full", "sequence_aware", "auto"],
+                   help="auto: checkpoint_policy='auto' with the GPU's memory as its budget")  # fmt: skip
     p.add_argument("--offload", action="store_true", help="activation offloading of the checkpoints")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -167,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setting = Setting(
         gpus=args.gpus, sp=args.sp or args.gpus, ring=args.ring, zero=args.zero, lora=args.lora, lora_r=args.lora_r,
-        tiled_mlp=args.tiled_mlp, fused_loss=args.fused_loss, checkpointing=args.checkpointing, offload=args.offload,
+        tiled_mlp=args.tiled_mlp, fused_loss=args.fused_loss, offload=args.offload,
+        checkpointing="full" if args.checkpointing == "auto" else args.checkpointing,
         dtype=args.dtype, device=args.device, image_share=args.image_share,
         vision_trained=None if args.vision is None else args.vision == "trained", split_media=args.split_media,
     )  # fmt: skip
@@ -182,12 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     length = args.length or longest or planner.granularity(shape, setting)
     estimate = planner.estimate(shape, setting, length)
     table = planner.plan_table(shape, setting, budget, args.table_zero or [0, 1, 2, 3])
+    auto = None
+    if args.checkpointing == "auto":
+        kept, peak = planner.auto_kept_layers(shape, setting, length, budget)
+        auto = {"kept_layers": kept, "attention_layers": shape.attention_layers, "peak": peak}
     if args.json:
         constants = {k: getattr(planner, k) for k in dir(planner) if k.isupper() and k not in ("GIB", "MIB")}
         print(json.dumps({
             "model": asdict(shape) | {"params": shape.params}, "setting": asdict(setting),
             "gpu_memory_gib": args.gpu_memory_gib, "prediction": estimate.as_dict(),
-            "longest_length": longest, "table": table, "constants": constants,
+            "longest_length": longest, "table": table, "constants": constants, "auto": auto,
             "note": "planner predictions (analytical model), not measurements",
         }, indent=1))  # fmt: skip
         return 0
@@ -206,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(breakdown_lines(shape, estimate, budget, setting.device)))
     print(f"    longest trainable length for this setting: {_tokens(longest)} tokens"
           + ("" if longest else " (does not fit)"))  # fmt: skip
+    if auto is not None:
+        kept = f"{auto['kept_layers']} of {auto['attention_layers']} attention layers"
+        print(f"    checkpoint_policy=auto (budget {args.gpu_memory_gib:g} GiB): the breakdown is full "
+              f"checkpointing's, the first steps'; then {kept} keep their outputs at {length:,} tokens, peak "
+              f"{auto['peak'] / GIB:.2f} GiB (none at the longest length)")  # fmt: skip
     print(f"\n(b) longest trainable length (tokens; K = 1024; — = does not fit) on {args.gpus} x "
           f"{args.gpu_memory_gib:g} GiB, {'LoRA' if setting.lora else 'full fine-tuning'}, {setting.dtype}; "
           "columns: sp (ulysses x ring)")  # fmt: skip

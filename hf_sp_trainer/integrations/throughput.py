@@ -132,9 +132,14 @@ def training_flops(tokens: float, pairs: float, params: int, trainable: int, lay
 
 
 def _vm_hwm_mb() -> float | None:
+    return _status_mb("VmHWM")
+
+
+def _status_mb(key: str) -> float | None:
+    """``key`` (``VmHWM``, ``VmRSS``) of this process in MiB; ``None`` where ``/proc`` doesn't say."""
     try:
         with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith(f"{key}:"))
     except (OSError, StopIteration):
         return None
 
@@ -266,11 +271,7 @@ class ThroughputCallback(TrainerCallback):
     def on_log(self, args, state, control, logs: dict | None = None, **kwargs):
         if logs is None or "loss" not in logs or self._steps == 0 or self._counter is None:
             return
-        metrics = self.metrics()
-        logs.update(metrics)
-        last = state.log_history[-1] if state.log_history else None
-        if last is not None and "loss" in last and last.get("step") == state.global_step:
-            last.update(metrics)  # the Trainer appended its copy of the logs before calling on_log
+        add_to_logs(state, logs, self.metrics())
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._handle is not None:
@@ -307,14 +308,31 @@ def add_throughput_callback(trainer: Any, callback: ThroughputCallback | None = 
     existing = next((cb for cb in callbacks if isinstance(cb, ThroughputCallback)), None)
     if existing is not None:
         return existing
-    callback = callback or ThroughputCallback()
+    return insert_after_default_flow(trainer, callback or ThroughputCallback())
+
+
+def insert_after_default_flow(trainer: Any, callback: Any) -> Any:
+    """Register ``callback`` right after ``DefaultFlowCallback``: every other callback, the ``report_to`` integrations
+    included, sees the keys it adds to the logs."""
+    callbacks = trainer.callback_handler.callbacks
     index = next((i + 1 for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)), 0)
     callbacks.insert(index, callback)
     return callback
 
 
+def add_to_logs(state: Any, logs: dict, metrics: dict) -> None:
+    """``metrics`` into a training log line: the ``logs`` the later callbacks see, and the copy the Trainer appended
+    to ``state.log_history`` before calling ``on_log``."""
+    logs.update(metrics)
+    last = state.log_history[-1] if state.log_history else None
+    if last is not None and "loss" in last and last.get("step") == state.global_step:
+        last.update(metrics)
+
+
 __all__ = [
     "PEAK_BF16_FLOPS",
+    "add_to_logs",
+    "insert_after_default_flow",
     "ThroughputCallback",
     "add_throughput_callback",
     "attention_geometry",

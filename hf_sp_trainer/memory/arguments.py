@@ -75,8 +75,17 @@ class MemoryArguments:
         metadata={
             "help": "With activation (gradient) checkpointing: 'full' recomputes each decoder layer in backward; "
             "'sequence_aware' saves the attention kernels' outputs (O(seq^2) to recompute) and recomputes the rest, "
-            "the Ulysses all-to-alls included; it needs non-reentrant checkpointing (ValueError otherwise).",
-            "choices": ["full", "sequence_aware"],
+            "the Ulysses all-to-alls included; 'auto' keeps what 'sequence_aware' keeps in as many layers as "
+            "checkpoint_memory_budget allows, forward by forward (the first two steps run as 'full' and measure "
+            "the memory). Non-reentrant checkpointing only (ValueError otherwise).",
+            "choices": ["full", "sequence_aware", "auto"],
+        },
+    )
+    checkpoint_memory_budget: float | None = field(
+        default=None,
+        metadata={
+            "help": "With checkpoint_policy='auto': the memory one rank may use, in bytes (> 1), or as a fraction of "
+            "the CUDA device's memory (<= 1). Needed by 'auto', ignored otherwise."
         },
     )
 

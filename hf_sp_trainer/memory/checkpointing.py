@@ -11,6 +11,8 @@ With ``activation_checkpointing`` every decoder layer runs through ``layer._grad
   all-to-alls. Keeping their results too (q, k, v and the output, full-sequence for a slice of heads) would make the
   memory saved per rank *grow* with sp for the same length; re-running them costs one more exchange per layer in the
   backward. Exact: saved values are the ones the recomputation would produce.
+- ``checkpoint_policy="auto"`` (with ``checkpoint_memory_budget``) keeps, forward by forward, what ``sequence_aware``
+  keeps in as many layers as the budget allows and recomputes the others (``keep_budget.KeepBudget``).
 - ``checkpoint_offloading`` moves what the checkpoint itself saves, the layer's input hidden states, to host memory
   (``offload.HostOffload``); on CPU there is no device memory to free and it is a no-op (with a warning).
 """
@@ -29,12 +31,15 @@ from transformers.utils import logging
 from .. import patches
 from ..attention.ring import ring_attention_op
 from ..documents import current_scope, run_in_scope
-from ..model.decoder import decoder_layers
+from ..model.decoder import decoder_layers, unwrap_peft
+from ..model.heads import attention_shapes
+from .keep_budget import KeepBudget, budget_bytes, sequence_aware_kept_bytes
 from .offload import HostOffload
 
 logger = logging.get_logger(__name__)
 
-POLICIES = ("full", "sequence_aware")
+POLICIES = ("full", "sequence_aware", "auto")
+KEEP_BUDGET_MARK = "_sp_keep_budget"  # the model's KeepBudget under checkpoint_policy="auto"
 _ATEN_SAVED = (
     # fused attention kernels (CUDA, CPU, cuDNN, other backends)
     "_scaled_dot_product_flash_attention",
@@ -105,12 +110,23 @@ class MemoryCheckpoint:
 
     def __call__(self, function, *args, **kwargs):
         function = functools.partial(run_in_scope, current_scope(), function)
-        if self.context_fn is not None:
-            kwargs["context_fn"] = self.context_fn
+        context_fn = self.context_fn
+        if isinstance(context_fn, KeepBudget):  # auto: this call keeps or recomputes, as the budget allows
+            context_fn = context_fn.context_for(_hidden_states(args, kwargs))
+        if context_fn is not None:
+            kwargs["context_fn"] = context_fn
         if self.offload is None:
             return self.inner(function, *args, **kwargs)
         with torch.autograd.graph.saved_tensors_hooks(self.offload.pack, self.offload.unpack):
             return self.inner(function, *args, **kwargs)
+
+
+def _hidden_states(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The layer's hidden states ``[batch, tokens, hidden]``: its first tensor argument."""
+    for value in (*args, *kwargs.values()):
+        if torch.is_tensor(value) and value.ndim == 3:
+            return value
+    raise ValueError("checkpoint_policy='auto' found no [batch, tokens, hidden] tensor among a layer's arguments.")
 
 
 class MemoryCheckpointedLayer:
@@ -236,23 +252,24 @@ def checkpointed_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in decoder_layers(model) if m.gradient_checkpointing]
 
 
-def enable_checkpoint_features(model: torch.nn.Module, args) -> None:
+def enable_checkpoint_features(model: torch.nn.Module, args, ring_size: int = 1) -> None:
     """Wrap the checkpoint function of ``model``'s checkpointed layers as ``args`` ask (``checkpoint_policy``,
     ``checkpoint_offloading``).
 
     Transformers switches checkpointing on later (in ``Trainer.train``; PEFT / TRL may switch it on again), so the
     decoder layers are given, once, a class whose checkpoint function is always wrapped (``MemoryCheckpointedLayer``).
-    Raises a ``ValueError`` for an unknown policy, and for either feature without (non-reentrant, for the policy)
+    ``ring_size``: the SP ring's (``auto`` estimates the bytes a layer keeps). Raises a ``ValueError`` for an unknown
+    policy, ``auto`` without a budget, and either feature without (non-reentrant, for the policy)
     activation checkpointing.
     """
     policy, offload = getattr(args, "checkpoint_policy", "full"), getattr(args, "checkpoint_offloading", False)
     if policy not in POLICIES:
         raise ValueError(f"checkpoint_policy={policy!r} is not one of {POLICIES}.")
-    selective = policy == "sequence_aware"
+    selective = policy != "full"
     if not (selective or offload):
         return
     wanted = " and ".join(
-        n for n, on in (("checkpoint_policy='sequence_aware'", selective), ("checkpoint_offloading", offload)) if on
+        n for n, on in ((f"checkpoint_policy={policy!r}", selective), ("checkpoint_offloading", offload)) if on
     )
     if not (_checkpointing_on(args) or checkpointed_modules(model)):
         raise ValueError(
@@ -261,12 +278,12 @@ def enable_checkpoint_features(model: torch.nn.Module, args) -> None:
         )
     if selective and _checkpoint_kwargs(args).get("use_reentrant"):
         raise ValueError(
-            "checkpoint_policy='sequence_aware' needs non-reentrant checkpointing (the transformers default); remove "
+            f"checkpoint_policy={policy!r} needs non-reentrant checkpointing (the transformers default); remove "
             "use_reentrant=True from activation_checkpointing_kwargs."
         )
     if selective and _checkpoint_kwargs(args).get("selective"):
         raise ValueError(
-            "checkpoint_policy='sequence_aware' and TRL's gradient_checkpointing_kwargs={'selective': True} are two "
+            f"checkpoint_policy={policy!r} and TRL's gradient_checkpointing_kwargs={{'selective': True}} are two "
             "selective-checkpoint policies; use one of them."
         )
     hooks = None
@@ -278,5 +295,30 @@ def enable_checkpoint_features(model: torch.nn.Module, args) -> None:
                 "checkpoint_offloading=True has no effect on CPU: the checkpointed activations already live in host "
                 "memory. Training proceeds without offloading."
             )
-    if selective or hooks is not None:
-        wrap_checkpointed_layers(model, sequence_aware_context_fn if selective else None, hooks)
+    context_fn = sequence_aware_context_fn if selective else None
+    if policy == "auto":
+        context_fn = keep_budget(model, args, ring_size)
+    if context_fn is not None or hooks is not None:
+        wrap_checkpointed_layers(model, context_fn, hooks)
+
+
+def keep_budget(model: torch.nn.Module, args, ring_size: int = 1) -> KeepBudget:
+    """The ``KeepBudget`` of ``model`` for ``args.checkpoint_memory_budget`` (held by the model, reset by a forward
+    pre-hook at every forward); its steps' peaks come from the trainer (``integrations.memory_budget``)."""
+    budget = getattr(args, "checkpoint_memory_budget", None)
+    if budget is None:
+        raise ValueError(
+            "checkpoint_policy='auto' needs checkpoint_memory_budget: the memory one rank may use, in bytes, or as "
+            "a fraction of the CUDA device's memory (e.g. 0.9)."
+        )
+    shapes = attention_shapes(unwrap_peft(model).config.get_text_config())  # the widest layer's (none: no attention)
+    width = max((s.heads * s.head_dim for s in shapes), default=0)
+    element = 2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else model.dtype.itemsize
+    layer_bytes = sequence_aware_kept_bytes(1, width, element, ring_size)
+    keep = KeepBudget(budget_bytes(budget, args.device), layer_bytes, sequence_aware_context_fn)
+    existing = getattr(model, KEEP_BUDGET_MARK, None)
+    if existing is not None:
+        existing._hook.remove()
+    keep._hook = model.register_forward_pre_hook(lambda *_: keep.start_forward())
+    setattr(model, KEEP_BUDGET_MARK, keep)
+    return keep

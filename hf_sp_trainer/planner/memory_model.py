@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from ..memory.keep_budget import sequence_aware_kept_bytes
 from ..topology import split_sp_size
 from .mixers import check_modeled_layers, mixer_fixed, mixer_per_token
 from .vision import VisionShape, vision_memory
@@ -269,7 +270,7 @@ def _layer_activations(m: ModelShape, s: Setting, ulysses: int, ring: int, token
     full = (norms + attn + mlp) * tokens
     stored = 0.0  # sequence_aware: kept from the forward instead of recomputed
     if s.checkpointing == "sequence_aware":
-        stored = q * b * (ring + 1) / 2 * tokens  # the kernel's output (each ring block's, ~ (ring + 1) / 2 per query)
+        stored = sequence_aware_kept_bytes(tokens, q, b, ring)  # the kernel's output (each ring block's)
     checkpoint = h * b * tokens
     saved = {"none": full, "full": checkpoint, "sequence_aware": checkpoint + stored}[s.checkpointing]
     recompute = 0.0 if s.checkpointing == "none" else full - stored
@@ -380,6 +381,18 @@ def longest_length(m: ModelShape, s: Setting, budget_bytes: float) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if estimate(m, s, mid * step).peak <= budget_bytes else (lo, mid)
     return lo * step
+
+
+def auto_kept_layers(m: ModelShape, s: Setting, length: int, budget_bytes: float) -> tuple[int, float]:
+    """``checkpoint_policy="auto"`` with ``checkpoint_memory_budget=budget_bytes`` at ``length``: how many attention
+    layers keep their outputs, and the predicted peak. ``s`` with full checkpointing is where auto starts; each kept
+    layer adds what ``sequence_aware`` keeps in it, while the peak stays within the budget (``memory.keep_budget``)."""
+    full = estimate(m, replace(s, checkpointing="full"), length)
+    ulysses, ring = split_sp_size(s.sp, m.heads, s.ring)
+    per_layer = sequence_aware_kept_bytes(full.local_tokens, m.q_dim, 2 if s.dtype == "bf16" else 4, ring)
+    kept = 0 if per_layer <= 0 else int(max(0.0, budget_bytes - full.peak) // per_layer)
+    kept = min(kept, m.attention_layers)
+    return kept, full.peak + kept * per_layer
 
 
 # The memory-stack combinations of the planner's table (Setting fields), each row adding one feature; the last row is

@@ -19,17 +19,21 @@ import torch.distributed as dist
 import transformers
 from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
 from torch import nn
+from transformers.trainer_pt_utils import BatchRebalanceSampler
 
 from ..collators import SPDataCollator, SPMultimodalCollator
 from ..integrations import accelerate_sp, cpu_backend
-from ..integrations.throughput import add_throughput_callback
+from ..integrations.memory_budget import KeepBudgetCallback
+from ..integrations.throughput import add_throughput_callback, insert_after_default_flow
 from ..losses.sequence import check_loss_options, micro_batch_loss, sp_eval_loss
 from ..memory import enable_memory_features, loss_only_inputs, resolve_deprecated_flags
+from ..memory.checkpointing import KEEP_BUDGET_MARK
 from ..mixers.documents import keep_documents_apart
 from ..model.decoder import unwrap_peft
 from ..model.vlm import is_multimodal
 from ..parallel import SequenceParallel, apply_sequence_parallel, compile_decoder_layers
 from ..topology import release_groups, teardown
+from .rebalance import DocumentRebalanceSampler, rebalanced
 
 
 def pad_token_id(model: nn.Module, processing_class: Any) -> int:
@@ -84,7 +88,11 @@ class SequenceParallelMixin:
                 add_throughput_callback(self)  # after DefaultFlowCallback: report_to integrations see the figures
         else:  # hybrid models keep packed documents apart at sp_size 1 too: the same training at every sp_size
             keep_documents_apart(unwrap_peft(self.model))
-        enable_memory_features(self.model, self.args, lm_loss_fused=self.sp_fuses_lm_loss)
+        ring_size = self.sp.topology.ring_size if self.sp is not None else 1
+        enable_memory_features(self.model, self.args, lm_loss_fused=self.sp_fuses_lm_loss, ring_size=ring_size)
+        keep = getattr(self.model, KEEP_BUDGET_MARK, None)
+        if keep is not None:  # checkpoint_policy="auto": the steps' peaks reach the model's budget
+            insert_after_default_flow(self, KeepBudgetCallback(keep))
 
     # -- hooks for subclasses -------------------------------------------------------------------------------------
     sp_fuses_lm_loss = False  # True where the base trainer already computes its LM loss without full logits
@@ -132,14 +140,35 @@ class SequenceParallelMixin:
                 "False})."
             )
         topo = self.sp.topology
-        shard.num_processes, shard.process_index = topo.dp_size, topo.dp_rank
         if dataloader.device is not None and dataloader.device.type == "cpu":
             dataloader.device = None  # already there: no copy of every batch (cpu_backend.already_there)
+        rank_aware = getattr(shard, "batch_sampler", None)
+        if isinstance(rank_aware, BatchRebalanceSampler):  # yields this rank's batches already: no resharding
+            if not isinstance(rank_aware, DocumentRebalanceSampler):  # split over the world: SP groups would diverge
+                raise ValueError(
+                    f"{type(self).__name__} got a {type(rank_aware).__name__} that splits batches over all "
+                    f"{topo.world_size} ranks; with sp_size={topo.sp_size} the ranks of an SP group must load the same "
+                    "rows. Use train_sampling_strategy='batch_rebalance' with the SP trainer's own sampler "
+                    "(hf_sp_trainer.trainers.rebalance.DocumentRebalanceSampler)."
+                )
+            return dataloader
+        shard.num_processes, shard.process_index = topo.dp_size, topo.dp_rank
         if topo.dp_size == 1 and isinstance(shard, BatchSamplerShard):
             # One SP group sees every batch, so the last one needs no completing with repeated samples (which a
             # packed row would mix into its loss): exactly the single-process batches.
             shard.even_batches = False
         return dataloader
+
+    def _get_train_sampler(self, train_dataset=None):
+        """``train_sampling_strategy="batch_rebalance"`` with SP, or with rows packed by ``SPDataCollator``: the same
+        steps' examples, balanced over the DP ranks by the cost of packed rows (``rebalance.DocumentRebalanceSampler``)
+        instead of over all ranks by the cost of padded ones."""
+        sampler = super()._get_train_sampler(train_dataset)
+        packed = self.sp is not None or isinstance(self.data_collator, SPDataCollator)
+        if packed and isinstance(sampler, BatchRebalanceSampler):
+            dataset = train_dataset if train_dataset is not None else self.train_dataset
+            sampler = rebalanced(self, sampler, dataset)
+        return sampler
 
     def get_train_dataloader(self):
         return self._sp_shard_over_dp(super().get_train_dataloader())

@@ -1,0 +1,106 @@
+"""``checkpoint_policy="auto"``: as many layers keep their attention outputs as ``checkpoint_memory_budget`` allows,
+forward by forward, and every choice trains exactly like full checkpointing (kept values are the recomputed ones).
+Under SP: ``test_checkpointing.py::auto_llama_sp2_ga2`` against one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_sp_trainer.integrations.memory_budget import KEPT_LAYERS_LOG
+from hf_sp_trainer.memory.checkpointing import KEEP_BUDGET_MARK
+from hf_sp_trainer.memory.keep_budget import KeepBudget, budget_bytes, sequence_aware_kept_bytes
+from tests.harness import logged_steps, quiet_args, synthetic_dataset, tiny_model
+
+pytestmark = pytest.mark.unit  # in-process
+
+KEEP = object()  # the context a kept layer gets
+
+
+def _forward(keep: KeepBudget, layers: int, tokens: int) -> list[bool]:
+    keep.start_forward()
+    hidden = torch.zeros(1, tokens, 4)
+    return [keep.context_for(hidden) is KEEP for _ in range(layers)]
+
+
+def test_the_budget_decides_layer_by_layer():
+    keep = KeepBudget(budget=1000, layer_bytes=10, keep_context=KEEP)
+    for resident, peak in ((100, 900), (300, 700)):  # two warm-up steps keep nothing; the second measures 100 / token
+        keep.start_step(resident)
+        assert _forward(keep, 3, 4) == [False] * 3
+        keep.end_step(peak)
+    assert keep.per_token == 100 and keep.measured_steps == 2
+    keep.start_step(300)
+    assert _forward(keep, 12, 4) == [True] * 7 + [False] * 5  # 1000 - 300 - 400 = 300 left, 40 per layer
+    keep.end_step(980)  # 280 kept + 700 predicted: as predicted, nothing changes
+    assert keep.per_token == 100 and keep.overshoot == 0
+    assert _forward(keep, 12, 2) == [True] * 12  # 2 tokens: 500 left, 20 per layer
+    assert _forward(keep, 12, 6) == [True] + [False] * 11  # 6 tokens: 1000 - 300 - 600 = 100 left, 60 per layer
+    assert _forward(keep, 12, 8) == [False] * 12  # 8 tokens: nothing left
+    assert keep.kept_layers == [0, 0, 7, 12, 1, 0]
+    keep.end_step(None)  # not measurable: nothing learnt
+    keep.start_step(300)
+    assert _forward(keep, 12, 4) == [True] * 7 + [False] * 5
+    keep.end_step(1080)  # 280 kept: 800 besides, 100 more than predicted; corrected from the next step on
+    assert keep.overshoot == 100
+    assert _forward(keep, 12, 4) == [True] * 5 + [False] * 7
+    keep.end_step(900)  # under the prediction: the correction stays
+    assert keep.overshoot == 100
+
+
+def test_budget_bytes_and_kept_bytes():
+    assert budget_bytes(5e9, torch.device("cpu")) == 5e9
+    with pytest.raises(ValueError, match="fraction of the device's memory, which only CUDA"):
+        budget_bytes(0.9, torch.device("cpu"))
+    with pytest.raises(ValueError, match="must be positive"):
+        KeepBudget(0, 1.0, KEEP)
+    assert sequence_aware_kept_bytes(10, 64, 2) == 1280
+    assert sequence_aware_kept_bytes(10, 64, 2, ring=3) == 2560  # each ring block's output
+
+
+def _train(tmp_path, policy: str, budget: float | None = None) -> tuple[list, dict, list]:
+    from transformers import DataCollatorWithFlattening
+
+    from hf_sp_trainer import SPTrainer, TrainingArguments
+
+    args = TrainingArguments(
+        **quiet_args(str(tmp_path / policy / str(budget)), 4), per_device_train_batch_size=3, optim="sgd",
+        learning_rate=5e-2, gradient_checkpointing=True, checkpoint_policy=policy, checkpoint_memory_budget=budget,
+    )  # fmt: skip
+    model = tiny_model("llama")
+    trainer = SPTrainer(
+        model=model, args=args, train_dataset=synthetic_dataset(12, seed=1),
+        data_collator=DataCollatorWithFlattening(return_position_ids=True),
+    )  # fmt: skip
+    trainer.train()
+    kept = [e.get(KEPT_LAYERS_LOG) for e in trainer.state.log_history if "grad_norm" in e]
+    return logged_steps(trainer), {k: v.detach().clone() for k, v in model.named_parameters()}, kept
+
+
+def test_auto_trains_like_full_checkpointing_whatever_it_keeps(tmp_path):
+    steps, params, _ = _train(tmp_path, "full")
+    layers = tiny_model("llama").config.num_hidden_layers
+    for budget, expected in ((1e15, [0, 0] + [layers] * 2), (2.0, [0] * 4)):
+        got_steps, got_params, kept = _train(tmp_path, "auto", budget)
+        assert kept == expected, (budget, kept)
+        assert got_steps == steps  # bitwise: a kept output is the recomputed one
+        assert all(torch.equal(got_params[k], params[k]) for k in params)
+
+
+def test_auto_needs_a_budget(tmp_path):
+    with pytest.raises(ValueError, match="checkpoint_policy='auto' needs checkpoint_memory_budget"):
+        _train(tmp_path, "auto")
+
+
+def test_the_model_holds_its_budget(tmp_path):
+    from hf_sp_trainer import SPTrainer, TrainingArguments
+
+    args = TrainingArguments(**quiet_args(str(tmp_path), 1), gradient_checkpointing=True, checkpoint_policy="auto",
+                             checkpoint_memory_budget=1e9)  # fmt: skip
+    model = tiny_model("llama")
+    SPTrainer(model=model, args=args, train_dataset=synthetic_dataset(2))
+    first = getattr(model, KEEP_BUDGET_MARK)
+    SPTrainer(model=model, args=args, train_dataset=synthetic_dataset(2))  # a second trainer on the same model
+    second = getattr(model, KEEP_BUDGET_MARK)
+    assert second is not first
+    assert first._hook.id not in model._forward_pre_hooks and second._hook.id in model._forward_pre_hooks
