@@ -21,6 +21,8 @@ gradient, the vision tower's included; and one long multimodal row's peak memory
 g_length: settings that switch on with length under SP on the GPU's kernel (torch varlen): Llama-4's chunked
 attention and NoPE temperature, longrope's switch, DeepSeek-V3.2's sparse-attention top-k (sdpa, a boolean mask), at
 sp 1 and sp 2 vs each document alone (``_gpu_length.py``).
+h_auto: ``checkpoint_policy="auto"`` with a budget halfway between full and sequence-aware checkpointing, a
+Llama-3.1-8B-shaped 4-layer stack at 64K tokens: peak, step time and kept layers of each policy (``_gpu_auto.py``).
 
 Each check runs in its own process (default on CUDA), killed at the global budget: a crash, hang or broken CUDA
 context is recorded and the next check still runs; one that doesn't fit the time left is skipped with a note. The
@@ -47,6 +49,7 @@ from typing import Any
 
 import torch
 from _gpu_attention import sink_mla_checks
+from _gpu_auto import auto_checks
 from _gpu_hybrid import hybrid_checks
 from _gpu_length import length_checks
 from _gpu_vlm import vlm_checks
@@ -61,6 +64,7 @@ MIN_SECONDS = {
     "e_hybrid": 20,
     "f_vlm": 40,
     "g_length": 30,
+    "h_auto": 60,
 }  # don't start with less
 TOL = {torch.float32: 2e-4, torch.bfloat16: 3e-2}  # on max_rel
 NEEDS_HALF, NO_FLASH = "needs CUDA and fp16/bf16", "flash-attn not installed"
@@ -435,7 +439,8 @@ def run_check(name: str, ctx: Ctx, lengths: list[int]) -> dict:
               "d_long_context": lambda c: check_long_context(c, lengths),
               "e_hybrid": lambda c: hybrid_checks(c.device, c.dry),
               "f_vlm": lambda c: vlm_checks(c.device, c.dry),
-              "g_length": lambda c: length_checks(c.device, c.dry)}  # fmt: skip
+              "g_length": lambda c: length_checks(c.device, c.dry),
+              "h_auto": lambda c: auto_checks(c, small_llama)}  # fmt: skip
     try:
         rec = {"status": "ok", "result": checks[name](ctx)}
     except Exception as exc:  # noqa: BLE001 - one failing check must not stop the others

@@ -15,7 +15,7 @@ from tests.harness import EXACT
 pytestmark = pytest.mark.e2e  # launched jobs (scripts/gpu_check.py)
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "gpu_check.py"
-CHECKS = ["a_kernels", "b_fused_loss", "c_offload", "d_long_context", "e_hybrid", "f_vlm", "g_length"]
+CHECKS = ["a_kernels", "b_fused_loss", "c_offload", "d_long_context", "e_hybrid", "f_vlm", "g_length", "h_auto"]
 
 
 def _run(out: Path, *flags: str) -> dict:
@@ -96,6 +96,11 @@ def test_dry_run_report(tmp_path):
             rec = length[f"{case}_sp{world}_float32"]
             assert rec.get("worst", 1.0) <= EXACT, (case, world, rec)
     assert length["within_tol"]
+
+    auto = _ok(report, "h_auto")  # checkpoint_policy="auto" between full and sequence_aware: the same losses
+    assert set(auto["runs"]) == {"full", "sequence_aware", "auto"}
+    assert auto["runs"]["full"]["kept_layers"] == 0 and 0 <= auto["runs"]["auto"]["kept_layers"] <= auto["layers"]
+    assert all(auto["runs"][p]["loss_max_rel_vs_full"] == 0.0 for p in ("sequence_aware", "auto"))  # CPU: bitwise
 
 
 def test_out_of_budget_checks_are_skipped(tmp_path):

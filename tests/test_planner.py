@@ -107,7 +107,7 @@ def test_fresh_measurement_within_tolerance(monkeypatch):
 
     for key, value in MALLOC_ENV.items():  # what set_malloc_env does, undone after the test
         monkeypatch.setenv(key, value)
-    opts = argparse.Namespace(device="cpu", attn="sdpa", doc_len=0)
+    opts = argparse.Namespace(device="cpu", attn="sdpa", doc_len=0, long_steps=1, auto_budget_gib=None)
     rows = bm.run_jobs(opts, "tiny", 2, [("plain", 8192), ("ckpt_full", 8192)])
     tiny = load_shape(TINY)
     for row in rows:
