@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_sp_trainer.integrations.memory_budget import KEPT_LAYERS_LOG
+from hf_sp_trainer.integrations.memory_budget import KEPT_LAYERS_LOG, largest_over_ranks
 from hf_sp_trainer.memory.checkpointing import KEEP_BUDGET_MARK
 from hf_sp_trainer.memory.keep_budget import KeepBudget, budget_bytes, sequence_aware_kept_bytes
-from tests.harness import logged_steps, quiet_args, synthetic_dataset, tiny_model
+from tests.harness import logged_steps, quiet_args, run_distributed, synthetic_dataset, tiny_model, unwrap_results
 
 pytestmark = pytest.mark.unit  # in-process
 
@@ -104,3 +104,17 @@ def test_the_model_holds_its_budget(tmp_path):
     second = getattr(model, KEEP_BUDGET_MARK)
     assert second is not first
     assert first._hook.id not in model._forward_pre_hooks and second._hook.id in model._forward_pre_hooks
+
+
+def _largest(values: list) -> float | None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return largest_over_ranks(values[dist.get_rank()], torch.device("cpu"))
+
+
+@pytest.mark.dist
+def test_every_rank_is_handed_the_largest_figure():
+    """The ranks of an SP group decide alike (with a ring, a kept layer's recompute skips the kernel's K/V passes)."""
+    for values, expected in (([3.0, 5.0], 5.0), ([None, 2.0], 2.0), ([None, None], None)):
+        assert unwrap_results(run_distributed(2, _largest, values)) == [expected, expected]

@@ -45,6 +45,7 @@ AUTO = {"checkpoint_policy": "auto", "checkpoint_memory_budget": 1e15}  # from t
 CASES = [
     Case("sac_llama_sp2", train_overrides=GC, sp_overrides=SAC),
     Case("auto_llama_sp2_ga2", grad_accum=2, train_overrides=GC, sp_overrides=AUTO),
+    Case("auto_ring2", train_overrides=GC, sp_overrides=AUTO | {"sp_ring_size": 2}),  # the ring op kept by both ranks
     Case(
         "sac_offload_mistral_eager_sp2", family="mistral", attn="eager", train_overrides=GC, sp_overrides=SAC | OFFLOAD
     ),
