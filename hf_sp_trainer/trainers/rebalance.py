@@ -119,6 +119,7 @@ class DocumentRebalanceSampler(BatchRebalanceSampler):
         """
         dp, count = self.dp_size, self.dp_size * self.grad_accum
         plain = _split_evenly(indices, count)
+        drawn = [plain[s * dp : (s + 1) * dp] for s in range(self.grad_accum)]  # the fallback: upstream's grouping
         cap = max(sum(self.lengths[i] for i in group) for group in plain) if self.token_cap else float("inf")
         left = sorted(range(len(indices)), key=lambda p: (-self.costs[indices[p]], p))  # positions, costly first
         slots = []
@@ -136,14 +137,14 @@ class DocumentRebalanceSampler(BatchRebalanceSampler):
                 g = min(room, key=lambda g: (cost[g], g), default=None)
                 if g is None or (later and groups[g] and cost[g] + self.costs[example] > level):
                     if not later:
-                        return [plain[s * dp : (s + 1) * dp] for s in range(self.grad_accum)]  # no fit: upstream's
+                        return drawn  # no fit under the cap
                     continue
                 groups[g].append(position)
                 cost[g] += self.costs[example]
                 tokens[g] += self.lengths[example]
                 left.remove(position)
             if not all(groups):
-                return [plain[s * dp : (s + 1) * dp] for s in range(self.grad_accum)]
+                return drawn
             slots.append([[indices[p] for p in sorted(group)] for group in groups])
         return slots
 
