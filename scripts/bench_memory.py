@@ -47,6 +47,15 @@ COMBOS = {
     "ckpt_seq_aware": {"gradient_checkpointing": True, "checkpoint_policy": "sequence_aware"},
     "ckpt_auto": {"gradient_checkpointing": True, "checkpoint_policy": "auto"},  # budget: --auto-budget-gib
     "offload": {"gradient_checkpointing": True, "checkpoint_offloading": True},
+    # ALST's memory stack (tiled MLP, tiled loss, full checkpointing, checkpoints offloaded), through our features
+    "alst_stack": {
+        "tiled_mlp": True,
+        "fused_loss": True,
+        "gradient_checkpointing": True,
+        "checkpoint_offloading": True,
+    },
+    # the same with checkpoint_policy="auto" (budget: --auto-budget-gib, else --cap-gib)
+    "auto_stack": {"tiled_mlp": True, "fused_loss": True, "gradient_checkpointing": True, "checkpoint_policy": "auto"},
     "everything": {
         "tiled_mlp": True,
         "fused_loss": True,

@@ -23,6 +23,9 @@ attention and NoPE temperature, longrope's switch, DeepSeek-V3.2's sparse-attent
 sp 1 and sp 2 vs each document alone (``_gpu_length.py``).
 h_auto: ``checkpoint_policy="auto"`` with a budget halfway between full and sequence-aware checkpointing, a
 Llama-3.1-8B-shaped 4-layer stack at 64K tokens: peak, step time and kept layers of each policy (``_gpu_auto.py``).
+i_varlen: one Gated DeltaNet layer (Qwen3.5's shape, bf16) of SP's delta rule on a 32K row of 1, 16 and 128 documents,
+FLA's kernel once per document segment vs once per list (``cu_seqlens``): time, kernel calls, difference
+(``bench_varlen.py``).
 
 Each check runs in its own process (default on CUDA), killed at the global budget: a crash, hang or broken CUDA
 context is recorded and the next check still runs; one that doesn't fit the time left is skipped with a note. The
@@ -50,7 +53,7 @@ from typing import Any
 import torch
 from _gpu_attention import sink_mla_checks
 from _gpu_auto import auto_checks
-from _gpu_hybrid import hybrid_checks
+from _gpu_hybrid import few_autotune_configs, hybrid_checks
 from _gpu_length import length_checks
 from _gpu_vlm import vlm_checks
 
@@ -65,6 +68,7 @@ MIN_SECONDS = {
     "f_vlm": 40,
     "g_length": 30,
     "h_auto": 60,
+    "i_varlen": 60,
 }  # don't start with less
 TOL = {torch.float32: 2e-4, torch.bfloat16: 3e-2}  # on max_rel
 NEEDS_HALF, NO_FLASH = "needs CUDA and fp16/bf16", "flash-attn not installed"
@@ -432,6 +436,18 @@ def extrapolate(ctx: Ctx, runs: list[dict]) -> dict:
     return {"per_layer_slope_mb": slopes, "extrapolation": ext}
 
 
+def check_varlen(ctx: Ctx) -> dict:
+    """``bench_varlen.varlen_timings``: Qwen3.5's GDN shape in bf16 at 32K tokens (CPU dry run: tiny, the loop only,
+    transformers' torch path refusing ``cu_seqlens``)."""
+    kept = few_autotune_configs() if ctx.cuda else 0  # before FLA's kernels are defined
+    from bench_varlen import QWEN35_GDN, TINY, varlen_timings
+
+    if ctx.dry:
+        return varlen_timings(ctx.device, torch.float32, 64, [64, 8], TINY, repeats=1)
+    result = varlen_timings(ctx.device, torch.bfloat16, 32768, [32768, 2048, 256], QWEN35_GDN, repeats=3)
+    return result | {"autotune_configs_kept": kept}
+
+
 # -- running the checks --------------------------------------------------------------------------------------------
 def run_check(name: str, ctx: Ctx, lengths: list[int]) -> dict:
     start = time.time()
@@ -440,7 +456,7 @@ def run_check(name: str, ctx: Ctx, lengths: list[int]) -> dict:
               "e_hybrid": lambda c: hybrid_checks(c.device, c.dry),
               "f_vlm": lambda c: vlm_checks(c.device, c.dry),
               "g_length": lambda c: length_checks(c.device, c.dry),
-              "h_auto": lambda c: auto_checks(c, small_llama)}  # fmt: skip
+              "h_auto": lambda c: auto_checks(c, small_llama), "i_varlen": check_varlen}  # fmt: skip
     try:
         rec = {"status": "ok", "result": checks[name](ctx)}
     except Exception as exc:  # noqa: BLE001 - one failing check must not stop the others

@@ -16,6 +16,7 @@ from transformers.models.recurrent_gemma import modeling_recurrent_gemma as recu
 
 from hf_sp_trainer.documents import document_bounds
 from hf_sp_trainer.mixers.causal_conv import sp_causal_conv1d
+from hf_sp_trainer.mixers.checks import varlen_capable
 from hf_sp_trainer.mixers.gated_deltanet import sp_chunk_gated_delta_rule
 from hf_sp_trainer.mixers.lightning import lightning_forward
 from hf_sp_trainer.mixers.mamba2 import sp_mamba2_chunk_scan
@@ -73,11 +74,14 @@ def check_gdn(
     carry_state: bool = True,
     kda: bool = False,
     relay: bool = False,
+    varlen: bool = False,
 ) -> dict[str, float]:
     """Max relative difference (over ranks) of the output and of every input's gradient, SP vs document by
     document, for the gated delta rule (grouped value heads, weak decay unless ``decay`` says otherwise); ``kda``:
     Kimi's delta attention instead (a decay per key channel, one head count, one head size); ``relay``: the state
-    handed rank to rank (``sp_state_passing="relay"``) instead of gathered."""
+    handed rank to rank (``sp_state_passing="relay"``) instead of gathered; ``varlen``: lists of segments in one
+    kernel call each (the installed kernel where it takes ``cu_seqlens``, else ``segmentwise_varlen`` of it), with
+    the most kernel calls of a rank's forward as ``kernel_calls``."""
     topo, index, runs, total = _setup(rows, ring_size)
     gen = torch.Generator().manual_seed(0)
     b = len(rows)
@@ -93,15 +97,55 @@ def check_gdn(
     ref = _per_document(lambda *t: core(*t, **opts)[0], rows, 1, *inputs)
     (ref * probe).sum().backward()
     local = [t.detach()[:, index].clone().requires_grad_() for t in inputs]
+    calls = []
+    sp_core = core if not varlen or varlen_capable(core, "cpu", channel_decay=kda) else segmentwise_varlen(core)
+
+    def counted(*a, **kw):
+        calls.append(kw.get("cu_seqlens") is not None)
+        return sp_core(*a, chunk_size=chunk, **kw)
+
     out, _ = sp_chunk_gated_delta_rule(
-        lambda *a, **kw: core(*a, chunk_size=chunk, **kw), *local, runs, topo.sp_group, carry_state=carry_state,
-        relay=relay, use_qk_l2norm_in_kernel=True,
+        counted, *local, runs, topo.sp_group, carry_state=carry_state, relay=relay, varlen=varlen,
+        use_qk_l2norm_in_kernel=True,
     )  # fmt: skip
+    forward_calls = len(calls)
     (out * probe[:, index]).sum().backward()
     result = {"out": _rel(out.detach(), ref.detach()[:, index])}
     for name, t, full in zip(("q", "k", "v", "g", "beta"), local, inputs, strict=True):
         result[name] = _rel(t.grad, full.grad[:, index])
+    if varlen:
+        assert all(calls), "a varlen forward called the kernel without cu_seqlens"
+        result[KERNEL_CALLS] = float(forward_calls)
     return _max_over_ranks(result)
+
+
+KERNEL_CALLS = "kernel_calls"  # not a difference: the most delta-rule kernel calls in one rank's forward
+
+
+def segmentwise_varlen(core):
+    """``core`` (transformers' torch delta rule, which refuses ``cu_seqlens``) as a kernel that takes them: each
+    sequence of the one row ``cu_seqlens`` cuts, from its own initial state, through ``core``'s torch path; the
+    varlen kernel contract of FLA's, for the CPU tier without FLA."""
+    torch_path = getattr(core, "__wrapped__", core)
+
+    def varlen(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None, **kw):
+        kw.pop("cu_seqlens_cpu", None)
+        if cu_seqlens is None:
+            return torch_path(
+                q, k, v, g=g, beta=beta, initial_state=initial_state, output_final_state=output_final_state, **kw
+            )
+        outs, finals = [], []
+        for i, (a, b) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist(), strict=True)):
+            state = None if initial_state is None else initial_state[i : i + 1]
+            out, final = torch_path(
+                q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b], initial_state=state,
+                output_final_state=output_final_state, **kw,
+            )  # fmt: skip
+            outs.append(out)
+            finals.append(final)
+        return torch.cat(outs, 1), torch.cat(finals) if output_final_state else None
+
+    return varlen
 
 
 def check_conv(rows: list[list[int]], ring_size: int = 1, *, width: int = 4, halo: bool = True) -> dict[str, float]:

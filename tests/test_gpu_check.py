@@ -15,7 +15,17 @@ from tests.harness import EXACT
 pytestmark = pytest.mark.e2e  # launched jobs (scripts/gpu_check.py)
 
 SCRIPT = Path(__file__).parents[1] / "scripts" / "gpu_check.py"
-CHECKS = ["a_kernels", "b_fused_loss", "c_offload", "d_long_context", "e_hybrid", "f_vlm", "g_length", "h_auto"]
+CHECKS = [
+    "a_kernels",
+    "b_fused_loss",
+    "c_offload",
+    "d_long_context",
+    "e_hybrid",
+    "f_vlm",
+    "g_length",
+    "h_auto",
+    "i_varlen",
+]
 
 
 def _run(out: Path, *flags: str) -> dict:
@@ -101,6 +111,9 @@ def test_dry_run_report(tmp_path):
     assert set(auto["runs"]) == {"full", "sequence_aware", "auto"}
     assert auto["runs"]["full"]["kept_layers"] == 0 and 0 <= auto["runs"]["auto"]["kept_layers"] <= auto["layers"]
     assert all(auto["runs"][p]["loss_max_rel_vs_full"] == 0.0 for p in ("sequence_aware", "auto"))  # CPU: bitwise
+
+    varlen = _ok(report, "i_varlen")  # the CPU has transformers' torch delta rule only: the loop, one call a document
+    assert [(r["documents"], r["mode"], r["kernel_calls"]) for r in varlen["rows"]] == [(1, "loop", 1), (8, "loop", 8)]
 
 
 def test_out_of_budget_checks_are_skipped(tmp_path):

@@ -316,6 +316,40 @@ def _gdn_ok(fn: Callable, device: str = "cpu", channel_decay: bool = False) -> b
     )
 
 
+def varlen_capable(fn: Callable, device: torch.device | str, channel_decay: bool = False) -> bool:
+    """Whether the installed delta-rule kernel ``fn`` runs, for a model on ``device``, many segments in one call
+    (``cu_seqlens``: FLA's kernels, where they run, ``dispatch_device``), as ``_varlen_ok`` checks; transformers' torch
+    path refuses ``cu_seqlens``: the SP delta rule then calls it once per segment."""
+    target = dispatch_device(device)
+    return target is not None and _varlen_ok(fn, target, channel_decay)
+
+
+@functools.cache
+def _varlen_ok(fn: Callable, device: str, channel_decay: bool) -> bool:
+    """Two segments (6 and 4 tokens) laid end to end in one call with ``cu_seqlens``, each from its own initial
+    state: their outputs and final states equal one call on each."""
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 1, 10, 2, 16, generator=gen)
+    v, s0 = torch.randn(1, 10, 2, 16, generator=gen), torch.randn(2, 2, 16, 16, generator=gen)
+    g = -torch.rand(1, 10, 2, *((16,) if channel_decay else ()), generator=gen)
+    beta, cu = torch.rand(1, 10, 2, generator=gen), torch.tensor([0, 6, 10])
+    q, k, v, s0, g, beta = _on(device, q, k, v, s0, g, beta)
+    run = functools.partial(fn, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    with torch.no_grad():
+        try:
+            out, final = run(q, k, v, g=g, beta=beta, initial_state=s0, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
+        except (ValueError, TypeError, NotImplementedError):  # transformers' torch path: "can't keep ... apart"
+            return False
+        alone = [
+            run(q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b], initial_state=s0[i : i + 1])
+            for i, (a, b) in enumerate(((0, 6), (6, 10)))
+        ]
+    expected_out, expected_final = torch.cat([o for o, _ in alone], 1), torch.cat([f for _, f in alone])
+    if out.shape != expected_out.shape or final is None or final.shape != expected_final.shape:
+        return False
+    return _close(out, expected_out) and _close(final, expected_final)
+
+
 @functools.cache
 def _mamba2_ok(fn: Callable, device: str = "cpu") -> bool:
     """Affine in the initial state with the per-head decay ``exp(A sum dt)`` of ``step_sizes`` (``dt_bias``,

@@ -22,6 +22,11 @@ run of this rank:
 The summaries are gathered and folded (``incoming_states``); each remembered segment adds the correction for the
 state its run starts in (``o(x, S_in) = o(x, 0) + o(0, S_in)``: the recurrence is affine in its initial state), and
 the rows are put back together. ``relay=True`` runs the same scans through ``relay.py`` instead.
+
+The scans of step 1, the runs passed through at once and the corrections are each asked for as one list of
+segments: a recurrence whose kernel takes ``cu_seqlens`` (FLA's) supplies a ``SegmentBatch`` and runs each list in
+one kernel call, so a rank's kernel calls per layer stay at most three however many documents its shard holds;
+otherwise the list is run segment by segment.
 """
 
 from __future__ import annotations
@@ -37,6 +42,20 @@ from .relay import relay_runs, segment_step
 from .runs import Run, ShardRuns
 
 Scan = Callable[[int, slice, torch.Tensor | None, bool], tuple[torch.Tensor, torch.Tensor | None]]
+Piece = tuple[int, slice]  # one document segment: (row, slice of the rank's shard)
+
+
+@dataclass(frozen=True)
+class SegmentBatch:
+    """Many document segments in one kernel call each (a kernel taking ``cu_seqlens``): ``scan(pieces) -> (outputs
+    [1, n_i, ...], final states [len(pieces), heads, K, cols])`` from zero states; ``correct(pieces, S_in
+    [len(pieces), heads, K, cols]) -> outputs``: what each ``S_in`` adds to its segment; ``through(pieces) ->
+    (outputs, [S_ext | M] [len(pieces), heads, K, cols + m_cols])``: runs with no document start (as
+    ``Recurrence.through``)."""
+
+    scan: Callable[[list[Piece]], tuple[list[torch.Tensor], torch.Tensor]]
+    correct: Callable[[list[Piece], torch.Tensor], list[torch.Tensor]]
+    through: Callable[[list[Piece]], tuple[list[torch.Tensor], torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -50,6 +69,7 @@ class Recurrence:
     ``correct(row, shard slice, S_in) -> output [1, n, ...]``: what ``S_in`` adds to a segment's output.
     ``through(row, shard slice) -> (output, [S_ext | M] [heads, K, cols + m_cols])``, optional: a run with no document
     start at once (GDN's widened kernel call), instead of ``scan`` and ``transition``.
+    ``batch``, optional: the same three for many segments per kernel call (``SegmentBatch``; the relay runs ``scan``).
     ``inputs``: the differentiable inputs (the relay's chain is anchored on them).
     """
 
@@ -61,6 +81,34 @@ class Recurrence:
     correct: Callable[[int, slice, torch.Tensor], torch.Tensor]
     transition: Callable[[int, Run], torch.Tensor] | None = None
     through: Callable[[int, slice], tuple[torch.Tensor, torch.Tensor]] | None = None
+    batch: SegmentBatch | None = None
+
+    def scan_pieces(self, pieces: list[Piece], final: list[bool]) -> tuple[list[torch.Tensor], list]:
+        """Each segment from a zero state: its output and final state ``[heads, K, cols]`` (``None`` where not
+        ``final`` and the segments run one by one)."""
+        if not pieces:
+            return [], []
+        if self.batch is not None:
+            outs, states = self.batch.scan(pieces)
+            return outs, list(states.unbind(0))
+        results = [self.scan(row, sl, None, want) for (row, sl), want in zip(pieces, final, strict=True)]
+        return [out for out, _ in results], [None if state is None else state[0] for _, state in results]
+
+    def through_pieces(self, pieces: list[Piece]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Runs with no document start: each one's output and ``[S_ext | M]``."""
+        if not pieces:
+            return [], []
+        if self.batch is not None:
+            outs, summaries = self.batch.through(pieces)
+            return outs, list(summaries.unbind(0))
+        results = [self.through(row, sl) for row, sl in pieces]
+        return [out for out, _ in results], [summary for _, summary in results]
+
+    def correct_pieces(self, pieces: list[Piece], states: torch.Tensor) -> list[torch.Tensor]:
+        """What each incoming state (``states [len(pieces), heads, K, cols]``) adds to its segment's output."""
+        if self.batch is not None:
+            return self.batch.correct(pieces, states)
+        return [self.correct(row, sl, states[n : n + 1]) for n, (row, sl) in enumerate(pieces)]
 
 
 def carry_runs(
@@ -83,32 +131,37 @@ def carry_runs(
     heads, k, cols = rec.state
     device = rec.inputs[0].device
     summaries = torch.zeros((runs.max_runs, rec.rows, heads, k, cols + rec.m_cols), dtype=torch.float32, device=device)
-    outputs = [[None] * len(runs.mine) for _ in range(rec.rows)]
-    pending = []  # (row, run position, run, first segment slice) to correct with the incoming state
+    outputs = [[[] for _ in runs.mine] for _ in range(rec.rows)]
+    passed, scanned, pending = [], [], []  # (row, run position, run, segment slice, ...): what each list is for
     for row in range(rec.rows):
         for i, run in enumerate(runs.mine):
             slices, continues = runs.segments(row, run)
             through = continues and len(slices) == 1  # no document starts in the run: M carries a state through it
             if through and rec.through is not None:
-                out, summary = rec.through(row, slices[0])
-                summaries[run.index, row] = summary
-                pieces = [out]
-            else:
-                pieces = []
-                for n, sl in enumerate(slices):  # each segment alone, from zero
-                    out, final = rec.scan(row, sl, None, n == len(slices) - 1)
-                    pieces.append(out)
-                summaries[run.index, row, ..., :cols] = final[0]  # S_ext: the last segment's final state
-                if through:
-                    summaries[run.index, row, ..., cols:] = rec.transition(row, run)
+                passed.append((row, i, run, slices[0]))
+            else:  # each segment alone, from zero; the last one's final state is the run's S_ext
+                scanned += [(row, i, run, sl, n == len(slices) - 1, through) for n, sl in enumerate(slices)]
             if continues:
                 pending.append((row, i, run, slices[0]))
-            outputs[row][i] = pieces
+
+    outs, passed_summaries = rec.through_pieces([(row, sl) for row, _, _, sl in passed])
+    for (row, i, run, _), out, summary in zip(passed, outs, passed_summaries, strict=True):
+        summaries[run.index, row] = summary
+        outputs[row][i].append(out)
+    outs, finals = rec.scan_pieces([(row, sl) for row, _, _, sl, _, _ in scanned], [s[4] for s in scanned])
+    for (row, i, run, _, last, through), out, final in zip(scanned, outs, finals, strict=True):
+        outputs[row][i].append(out)
+        if last:
+            summaries[run.index, row, ..., :cols] = final
+            if through:
+                summaries[run.index, row, ..., cols:] = rec.transition(row, run)
 
     incoming, gathered = incoming_states(summaries, runs, group, cols)
-    for row, i, run, sl in pending if carry_state else []:
-        correction = rec.correct(row, sl, incoming[run.index][row : row + 1])
-        outputs[row][i][0] = outputs[row][i][0] + correction
+    if carry_state and pending:
+        states = torch.stack([incoming[run.index][row] for row, _, run, _ in pending])
+        corrections = rec.correct_pieces([(row, sl) for row, _, _, sl in pending], states)
+        for (row, i, _, _), correction in zip(pending, corrections, strict=True):
+            outputs[row][i][0] = outputs[row][i][0] + correction
     per_row = [torch.cat([p for pieces in per_run for p in pieces], dim=1) for per_run in outputs]
     out = torch.cat(per_row, dim=0) if rec.rows > 1 else per_row[0]
     return touch(out, gathered)

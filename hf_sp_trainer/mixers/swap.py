@@ -32,7 +32,7 @@ from ..model.mixers import DECODE_ONLY_KERNELS, SP_KERNELS, SP_MODULES, covered_
 from ..sharding import SequenceSharding
 from ..topology import SPTopology
 from .causal_conv import sp_causal_conv1d
-from .checks import CHECKS, check_fused_fallback, check_kernel, check_module, parameter_device
+from .checks import CHECKS, check_fused_fallback, check_kernel, check_module, parameter_device, varlen_capable
 from .gated_deltanet import sp_chunk_gated_delta_rule
 from .lightning import lightning_forward
 from .mamba2 import sp_mamba2_chunk_scan
@@ -122,9 +122,10 @@ def _gdn_entry(original: Callable) -> Callable:
             k: kwargs[k] for k in ("initial_state", "output_final_state", "use_qk_l2norm_in_kernel") if k in kwargs
         }
         core = functools.partial(original, chunk_size=chunk_size)
+        varlen = varlen_capable(original, value.device, channel_decay=g.dim() == 4)  # FLA's: one call per list
         with recompute_region():
             return sp_chunk_gated_delta_rule(
-                core, query, key, value, g, beta, runs, ctx.group, relay=ctx.relay, **options
+                core, query, key, value, g, beta, runs, ctx.group, relay=ctx.relay, varlen=varlen, **options
             )
 
     return torch_chunk_gated_delta_rule

@@ -31,6 +31,19 @@ def test_sp_matches_torch_path(name: str, world2: dict) -> None:
     _check(name, world2[name])
 
 
+@pytest.mark.parametrize("name", [c[0] for c in WORLD2 if c[1] == "kernel" and c[2].get("varlen")])
+def test_varlen_kernel_calls(name: str, world2: dict) -> None:
+    """FLA's kernels take ``cu_seqlens``: a rank's forward calls one at most three times (its segments from zero, its
+    runs with no document start, the corrections) for its 3-7 document segments."""
+    assert 1 <= world2[name]["kernel_calls"] <= 3, world2[name]
+
+
+@pytest.mark.parametrize("name", [c[0] for c in WORLD2 + WORLD4 if c[1] == "sp" and c[2]["kind"] in ("gdn", "kda")])
+def test_models_take_the_varlen_path(name: str, world2: dict, world4: dict) -> None:
+    """The SP entry of a Qwen3.5 / Kimi-Linear layer running FLA's kernel takes the ``cu_seqlens`` path."""
+    assert {**world2, **world4}[name]["varlen"] is True
+
+
 @pytest.mark.parametrize("name", [c[0] for c in WORLD4])
 def test_sp4_ring2_matches_torch_path(name: str, world4: dict) -> None:
     _check(name, world4[name])

@@ -81,7 +81,22 @@ def sp_case(kind: str, sp_size: int, ring_size: int | None = None, train: bool =
         worst, where = max(compare(ref, _sp_run(model, sp, docs)) for ref, docs in zip(refs, data, strict=True))
     finally:
         sp.remove()
-    return {"err": worst, "where": where}
+    return {"err": worst, "where": where, "varlen": _entry_takes_varlen(model)}
+
+
+def _entry_takes_varlen(model) -> bool | None:
+    """Whether the SP delta-rule entry runs ``model``'s installed kernel through its ``cu_seqlens`` path (the
+    entry's own decision, ``checks.varlen_capable``); ``None``: no delta rule."""
+    import sys
+
+    from hf_sp_trainer import patches
+    from hf_sp_trainer.mixers.checks import varlen_capable
+
+    module = sys.modules[type(model.model).__module__]
+    for name, channel_decay in (("torch_chunk_gated_delta_rule", False), ("chunk_kimi_delta_attention", True)):
+        if hasattr(module, name):
+            return varlen_capable(patches.original(module, name), "cpu", channel_decay)
+    return None
 
 
 def _loss_and_grads(model, ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
@@ -128,15 +143,17 @@ def after_sp_case(kind: str, sp_size: int) -> dict:
     return out
 
 
-def kernel_case(kernel: str, docs: list[int], ring_size: int = 1) -> dict:
+def kernel_case(kernel: str, docs: list[int], ring_size: int = 1, varlen: bool = False, chunk: int = 64) -> dict:
     """``tests/mixer_harness.py``'s kernel-level delta-rule check (``kernel``: "gdn" or "kda") with the installed
     kernel (FLA's, through transformers' hub wrapper) as the SP core and as the per-document reference: the output
-    and the gradients of q, k, v, g and beta."""
+    and the gradients of q, k, v, g and beta; ``varlen``: FLA's ``cu_seqlens`` path (one call per list of segments,
+    its calls in ``kernel_calls``)."""
     from tests import mixer_harness
 
-    diffs = mixer_harness.check_gdn([docs], ring_size, heads=2, k_heads=1, kda=kernel == "kda")
+    diffs = mixer_harness.check_gdn([docs], ring_size, heads=2, k_heads=1, kda=kernel == "kda", varlen=varlen)
+    calls = diffs.pop(mixer_harness.KERNEL_CALLS, None)
     where = max(diffs, key=diffs.get)
-    return {"err": diffs[where], "where": where}
+    return {"err": diffs[where], "where": where, "kernel_calls": calls}
 
 
 @contextlib.contextmanager
