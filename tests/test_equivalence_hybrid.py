@@ -131,3 +131,17 @@ def test_sp_size_1_keeps_packed_documents_apart(family, tmp_path):
     assert max(abs(a / b - 1) for a, b in zip(ours["losses"], ref["losses"], strict=True)) <= EXACT
     assert rel(ours["params"], ref["params"]) <= EXACT
     assert rel(leaky["params"], ref["params"]) > 10 * rel(ours["params"], ref["params"])
+
+
+def test_minimax_m3_packed_rows_refused_at_sp_size_1(tmp_path):
+    """MiniMax-M3's block selection at sp_size 1 is transformers' own, whose key blocks sit at row slots: a row packed
+    from several documents is refused (it trained 0.4% off each document alone); one document per row runs."""
+    from transformers import DataCollatorWithFlattening
+
+    from tests.harness import pad_rows
+
+    with pytest.raises(ValueError, match="sp_size >= 2"):
+        _sp1_run("minimax_m3", DataCollatorWithFlattening(return_position_ids=True), True, str(tmp_path / "packed"))
+    ours = _sp1_run("minimax_m3", pad_rows, True, str(tmp_path / "ours"))
+    ref = _sp1_run("minimax_m3", pad_rows, False, str(tmp_path / "ref"))
+    assert ours["losses"] == ref["losses"] and torch.equal(ours["params"], ref["params"])

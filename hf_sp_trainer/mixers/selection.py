@@ -37,6 +37,20 @@ def selection_sp(kwargs: dict, module: str):
     return (bounds, ctx.topology) if ctx.topology is not None else None
 
 
+def refuse_packed_rows_at_sp1(module: str, rows: int, why: str) -> None:
+    """At sp_size 1 (documents kept apart in one process: SP's kwargs present, no topology), raise when a row holds
+    more than one document: ``module``'s installed selection (run there) would not compute each as alone (``why``)."""
+    bounds, ctx = scoped_sp_kwargs().get(BOUNDS_KWARG), (scoped_sp_kwargs().get(SP_KWARG) or {}).get("mixers")
+    if bounds is None or ctx is None or ctx.topology is not None:
+        return
+    seq = int(bounds[-1]) // rows
+    if any(int(start) % seq for start in bounds[:-1]):
+        raise ValueError(
+            f"{module} at sp_size=1 got rows packed from several documents: {why}, so they would not train as "
+            "each document alone. Use sp_size >= 2 (exact), or one document per row (no padding-free packing)."
+        )
+
+
 def dsa_attention_entry(original: Callable) -> Callable:
     """A DSA attention (``DeepseekV32Attention``): under SP its installed forward, given a placeholder for the mask
     it slices for its indexer and SP's kwargs as the scope its indexer (called without them) reads."""
@@ -106,6 +120,9 @@ def positional_indexer_entry(original: Callable) -> Callable:
     return forward
 
 
+M3_ROW_SLOTS = "transformers' block selection anchors its key blocks at the row's slots, not at each document's start"
+
+
 def block_indexer_entry(original: Callable) -> Callable:
     """MiniMax-M3's indexer (``MiniMaxM3VLIndexer``), called by its attention without SP's kwargs (the decoder's
     scope has them): under SP the whole sequence's block top-k (``attention.block_sparse.sp_block_topk``), which the
@@ -115,6 +132,7 @@ def block_indexer_entry(original: Callable) -> Callable:
     def forward(self, hidden_states, position_embeddings, cache=None, position_ids=None):
         sp = selection_sp({}, type(self).__name__)
         if sp is None:
+            refuse_packed_rows_at_sp1(type(self).__name__, hidden_states.shape[0], M3_ROW_SLOTS)
             return original(
                 self, hidden_states=hidden_states, position_embeddings=position_embeddings, cache=cache,
                 position_ids=position_ids,
