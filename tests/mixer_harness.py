@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -16,7 +17,7 @@ from transformers.models.recurrent_gemma import modeling_recurrent_gemma as recu
 
 from hf_sp_trainer.documents import document_bounds
 from hf_sp_trainer.mixers.causal_conv import sp_causal_conv1d
-from hf_sp_trainer.mixers.checks import varlen_capable
+from hf_sp_trainer.mixers.checks import seq_idx_capable, varlen_capable
 from hf_sp_trainer.mixers.gated_deltanet import sp_chunk_gated_delta_rule
 from hf_sp_trainer.mixers.lightning import lightning_forward
 from hf_sp_trainer.mixers.mamba2 import sp_mamba2_chunk_scan
@@ -191,10 +192,12 @@ def check_mamba2(
     state_passing: bool = True,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     relay: bool = False,
+    varlen: bool = False,
 ) -> dict[str, float]:
     """Max relative difference of the scan's output and of every input's gradient, SP vs document by document
     (transformers' ``mamba2_chunk_scan``, softplus on, ``dt_limit`` as given; ``relay``: the state handed rank to
-    rank)."""
+    rank; ``varlen``: each run in one call with ``seq_idx`` (the installed scan where it takes them, else
+    ``segmentwise_seq_idx`` of it), the most calls of a rank's forward as ``kernel_calls``)."""
     topo = sp_topology(dist.get_world_size(), ring_size)
     sharding = SequenceSharding(topo.sp_size, ring_size)
     total = sum(docs)
@@ -214,10 +217,18 @@ def check_mamba2(
     bounds = document_bounds([segments(docs)], total)
     runs = shard_runs(bounds, 1, sharding, topo.sp_rank)
     scan = SCAN if state_passing else _no_initial_state(SCAN)
+    if varlen and not seq_idx_capable(SCAN, "cpu"):
+        scan = segmentwise_seq_idx(SCAN)
     xl, dtl, Bl, Cl = seq
     Al, Dl, biasl = params
+    calls = []
+
+    def counted(*a, **kw):
+        calls.append(kw.get("seq_idx") is not None)
+        return scan(*a, chunk_size=chunk, **kw)
+
     out = sp_mamba2_chunk_scan(
-        lambda *a, **kw: scan(*a, chunk_size=chunk, **kw),
+        counted,
         xl,
         dtl,
         Al,
@@ -230,7 +241,9 @@ def check_mamba2(
         dt_softplus=True,
         dt_limit=dt_limit,
         relay=relay,
+        varlen=varlen,
     )
+    forward_calls = len(calls)
     (out * weight[:, index]).sum().backward()
     for t in params:  # parameter gradients are partial per rank: summed like SP's gradient reduction
         dist.all_reduce(t.grad)
@@ -238,7 +251,32 @@ def check_mamba2(
     grads = [xl.grad, dtl.grad, Al.grad, Bl.grad, Cl.grad, Dl.grad, biasl.grad]
     for name, got, want in zip(MAMBA2_NAMES, grads, ref_grads, strict=True):
         result[name] = _rel(got, want if name in ("A", "D", "dt_bias") else want[:, index])
+    if varlen:
+        result[KERNEL_CALLS] = float(forward_calls)
     return _max_over_ranks(result)
+
+
+def segmentwise_seq_idx(scan):
+    """transformers' torch Mamba2 scan (which refuses ``seq_idx``) as one that takes it: each stretch of one
+    ``seq_idx`` value from a zero state, the final state the last stretch's; mamba_ssm's contract, for the CPU tier."""
+    torch_path = getattr(scan, "__wrapped__", scan)
+
+    def packed(x, dt, A, B, C, seq_idx=None, initial_states=None, return_final_states=False, **kw):
+        if seq_idx is None:
+            return torch_path(
+                x, dt, A, B, C, initial_states=initial_states, return_final_states=return_final_states, **kw
+            )
+        cuts = [0, *(seq_idx[0, 1:] != seq_idx[0, :-1]).nonzero().flatten().add(1).tolist(), x.shape[1]]
+        outs, final = [], None
+        for a, b in itertools.pairwise(cuts):
+            out, final = torch_path(
+                x[:, a:b], dt[:, a:b], A, B[:, a:b], C[:, a:b], initial_states=None, return_final_states=True, **kw
+            )
+            outs.append(out)
+        out = torch.cat(outs, 1)
+        return (out, final) if return_final_states else out
+
+    return packed
 
 
 SELECTIVE_NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")

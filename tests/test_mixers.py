@@ -133,3 +133,14 @@ def test_varlen_calls_the_kernel_at_most_three_times(name: str, results: dict) -
     """With a kernel taking ``cu_seqlens`` a rank's forward calls it once for its segments from zero, once for its
     runs with no document start (widened) and once for the corrections, however many documents it holds."""
     assert 1 <= results[name][KERNEL_CALLS] <= 3, results[name]
+
+
+MAMBA2_VARLEN = [name for name in ALL if name.startswith("mamba2_") and "_varlen_" in name]
+
+
+@pytest.mark.parametrize("name", MAMBA2_VARLEN)
+def test_mamba2_varlen_scans_each_run_in_one_call(name: str, results: dict) -> None:
+    """With a scan taking ``seq_idx`` a rank's forward scans each of its runs in one call (plus at most one
+    correction per run), however many documents the run holds."""
+    runs = 2 if "_ring2_" in name else 1
+    assert 1 <= results[name][KERNEL_CALLS] <= 2 * runs, results[name]

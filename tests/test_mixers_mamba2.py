@@ -92,6 +92,11 @@ def mamba2_cases(world: int, ring: int) -> list[tuple[str, str, dict]]:
     out.append((f"mamba2_w{world}_ring{ring}_clamped_steps", "mamba2", dict(docs=docs, ring_size=ring, dt_limit=CLAMP)))
     chunk4 = dict(docs=cases["1-token documents"], ring_size=ring, chunk=4)
     out.append((f"mamba2_w{world}_ring{ring}_chunk_4", "mamba2", chunk4))
+    many = dict(docs=cases["1-token documents"], ring_size=ring, varlen=True)  # each run's segments in one call
+    out.append((f"mamba2_w{world}_ring{ring}_varlen_1-token_documents", "mamba2", many))
+    out.append(
+        (f"mamba2_w{world}_ring{ring}_varlen_across_every_run", "mamba2", dict(docs=docs, ring_size=ring, varlen=True))
+    )
     control = dict(docs=docs, ring_size=ring, state_passing=False)
     out.append((f"control_mamba2_w{world}_ring{ring}_no_state_passing", "mamba2", control))
     return out

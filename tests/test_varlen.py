@@ -1,4 +1,5 @@
-"""The delta rule's varlen path (``mixers/gated_deltanet.py``, ``varlen=True``): when it is taken, and its pieces.
+"""The varlen paths of the delta rule (``mixers/gated_deltanet.py``, ``cu_seqlens``) and of Mamba2's scan
+(``mixers/mamba2.py``, ``seq_idx``): when they are taken, and their pieces.
 Its exactness runs in ``tests/test_mixers.py`` (``gdn_varlen_*``: transformers' torch kernel behind a ``cu_seqlens``
 interface) and in the interpreter tier on FLA's own ``cu_seqlens`` kernels (``tests/interpreter``)."""
 
@@ -7,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_sp_trainer.mixers.checks import _varlen_ok, varlen_capable
-from hf_sp_trainer.mixers.gated_deltanet import laid_end_to_end
-from tests.mixer_harness import GDN, KDA, segmentwise_varlen
+from hf_sp_trainer.mixers.checks import _seq_idx_ok, _varlen_ok, seq_idx_capable, varlen_capable
+from hf_sp_trainer.mixers.linear_state import laid_end_to_end
+from tests.mixer_harness import GDN, KDA, SCAN, segmentwise_seq_idx, segmentwise_varlen
 
 pytestmark = pytest.mark.unit  # in-process
 
@@ -50,3 +51,18 @@ def test_laid_end_to_end() -> None:
     assert got.data_ptr() == t[0, 2].data_ptr() and torch.equal(got[0], torch.cat([t[0, 2:6], t[1, :5]]))
     apart = [(0, slice(0, 2)), (1, slice(3, 6))]
     assert torch.equal(laid_end_to_end(t, apart)[0], torch.cat([t[0, :2], t[1, 3:]]))
+
+
+def test_mamba2_torch_path_is_run_segment_by_segment() -> None:
+    assert not _seq_idx_ok(SCAN, "cpu")
+    assert not seq_idx_capable(segmentwise_seq_idx(SCAN), "cpu")  # no kernel that could take it runs here
+    assert _seq_idx_ok(segmentwise_seq_idx(SCAN), "cpu")
+
+
+def test_a_scan_ignoring_seq_idx_fails() -> None:
+    torch_path = SCAN.__wrapped__
+
+    def through(x, dt, A, B, C, seq_idx=None, **kw):  # takes seq_idx, carries the state over the cut
+        return torch_path(x, dt, A, B, C, **kw)
+
+    assert not _seq_idx_ok(through, "cpu")

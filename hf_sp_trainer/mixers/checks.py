@@ -350,6 +350,37 @@ def _varlen_ok(fn: Callable, device: str, channel_decay: bool) -> bool:
     return _close(out, expected_out) and _close(final, expected_final)
 
 
+def seq_idx_capable(fn: Callable, device: torch.device | str) -> bool:
+    """Whether the installed Mamba2 scan ``fn`` runs, for a model on ``device``, a run's segments in one call
+    (``seq_idx``: mamba_ssm's kernel, where it runs), as ``_seq_idx_ok`` checks; transformers' torch path refuses
+    ``seq_idx``: the SP scan then calls it once per segment."""
+    target = dispatch_device(device)
+    return target is not None and _seq_idx_ok(fn, target)
+
+
+@functools.cache
+def _seq_idx_ok(fn: Callable, device: str) -> bool:
+    """Two segments (5 and 6 tokens, chunks of 8: the cut inside one) in one call with ``seq_idx``: the outputs of a
+    call on each, and the second one's final state."""
+    gen = torch.Generator().manual_seed(1)
+    x, dt = torch.randn(1, 11, 2, 8, generator=gen), torch.randn(1, 11, 2, generator=gen)
+    A, (B, C) = -torch.rand(2, generator=gen) - 0.5, torch.randn(2, 1, 11, 1, 16, generator=gen)
+    D, bias = torch.randn(2, generator=gen), torch.randn(2, generator=gen)
+    seq_idx = torch.tensor([[0] * 5 + [1] * 6], dtype=torch.int32)
+    x, dt, A, B, C, D, bias, seq_idx = _on(device, x, dt, A, B, C, D, bias, seq_idx)
+    opts = dict(A=A, D=D, chunk_size=8, dt_bias=bias, dt_softplus=True, return_final_states=True)
+    with torch.no_grad():
+        try:
+            out, final = fn(x, dt=dt, B=B, C=C, seq_idx=seq_idx, **opts)  # past x by name: mamba_ssm's differs
+        except (ValueError, TypeError, NotImplementedError):  # transformers' torch path: "can't keep ... apart"
+            return False
+        alone = [fn(x[:, a:b], dt=dt[:, a:b], B=B[:, a:b], C=C[:, a:b], **opts) for a, b in ((0, 5), (5, 11))]
+    expected = torch.cat([o for o, _ in alone], 1)
+    if out.shape != expected.shape or final is None or final.shape != alone[1][1].shape:
+        return False
+    return _close(out, expected) and _close(final, alone[1][1])
+
+
 @functools.cache
 def _mamba2_ok(fn: Callable, device: str = "cpu") -> bool:
     """Affine in the initial state with the per-head decay ``exp(A sum dt)`` of ``step_sizes`` (``dt_bias``,

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .linear_state import Piece, Recurrence, SegmentBatch, carry_runs
+from .linear_state import Piece, Recurrence, SegmentBatch, carry_runs, laid_end_to_end
 from .runs import ShardRuns
 
 
@@ -80,8 +80,12 @@ def sp_chunk_gated_delta_rule(
         )  # fmt: skip
         return list(out.split(lengths, dim=1)), last
 
-    def scan_many(pieces: list[Piece]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        return call_many(pieces, laid_end_to_end(value, pieces), None, True)
+    def scan_many(runs: list[list[Piece]]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Every run's segments in one call; each run's final state is its last segment's."""
+        pieces = [piece for run in runs for piece in run]
+        outs, finals = call_many(pieces, laid_end_to_end(value, pieces), None, True)
+        last = torch.tensor(list(itertools.accumulate(len(run) for run in runs)), device=finals.device) - 1
+        return outs, finals.index_select(0, last)
 
     def through_many(pieces: list[Piece]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """``through`` for every piece in one call."""
@@ -104,16 +108,6 @@ def sp_chunk_gated_delta_rule(
         scan=lambda row, sl, state, final: call(row, sl, value[row : row + 1, sl], state, final),
         correct=correct,
         through=through,
-        batch=SegmentBatch(scan_many, correct_many, through_many) if varlen else None,
+        batch=SegmentBatch(scan_many, correct=correct_many, through=through_many) if varlen else None,
     )
     return carry_runs(rec, runs, group, carry_state, relay), None
-
-
-def laid_end_to_end(t: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
-    """``t``'s ``pieces`` (of its rows ``[b, L, ...]``) as one row ``[1, n, ...]``: a view when they follow each other
-    in ``t``'s memory order (a rank's documents in a row, rows in order), else a copy."""
-    length = t.shape[1]
-    flat = [(row * length + sl.start, row * length + sl.stop) for row, sl in pieces]
-    if all(before[1] == after[0] for before, after in itertools.pairwise(flat)):
-        return t.reshape(1, -1, *t.shape[2:])[:, flat[0][0] : flat[-1][1]]
-    return torch.cat([t[row : row + 1, sl] for row, sl in pieces], dim=1)

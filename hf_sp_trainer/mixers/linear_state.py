@@ -23,14 +23,15 @@ The summaries are gathered and folded (``incoming_states``); each remembered seg
 state its run starts in (``o(x, S_in) = o(x, 0) + o(0, S_in)``: the recurrence is affine in its initial state), and
 the rows are put back together. ``relay=True`` runs the same scans through ``relay.py`` instead.
 
-The scans of step 1, the runs passed through at once and the corrections are each asked for as one list of
-segments: a recurrence whose kernel takes ``cu_seqlens`` (FLA's) supplies a ``SegmentBatch`` and runs each list in
-one kernel call, so a rank's kernel calls per layer stay at most three however many documents its shard holds;
-otherwise the list is run segment by segment.
+The scans of step 1 (grouped by run), the runs passed through at once and the corrections are each asked for as
+one list: a recurrence whose kernel keeps packed segments apart supplies a ``SegmentBatch`` and runs a list in one
+kernel call (FLA's ``cu_seqlens``: at most three calls per layer and rank however many documents its shard holds) or
+one call per run (mamba_ssm's ``seq_idx``); otherwise the list is run segment by segment.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,15 +48,26 @@ Piece = tuple[int, slice]  # one document segment: (row, slice of the rank's sha
 
 @dataclass(frozen=True)
 class SegmentBatch:
-    """Many document segments in one kernel call each (a kernel taking ``cu_seqlens``): ``scan(pieces) -> (outputs
-    [1, n_i, ...], final states [len(pieces), heads, K, cols])`` from zero states; ``correct(pieces, S_in
-    [len(pieces), heads, K, cols]) -> outputs``: what each ``S_in`` adds to its segment; ``through(pieces) ->
-    (outputs, [S_ext | M] [len(pieces), heads, K, cols + m_cols])``: runs with no document start (as
-    ``Recurrence.through``)."""
+    """Many document segments per kernel call (a kernel taking ``cu_seqlens`` or ``seq_idx``). ``scan(runs) ->
+    (outputs [1, n_i, ...] of every segment in order, final states [len(runs), heads, K, cols])``: each run's
+    segments (a list of pieces) each from a zero state, the final state its last segment's. Optional (else segment by
+    segment): ``correct(pieces, S_in [len(pieces), heads, K, cols]) -> outputs``, what each ``S_in`` adds to its
+    segment; ``through(pieces) -> (outputs, [S_ext | M] [len(pieces), heads, K, cols + m_cols])``, runs with no
+    document start (as ``Recurrence.through``)."""
 
-    scan: Callable[[list[Piece]], tuple[list[torch.Tensor], torch.Tensor]]
-    correct: Callable[[list[Piece], torch.Tensor], list[torch.Tensor]]
-    through: Callable[[list[Piece]], tuple[list[torch.Tensor], torch.Tensor]]
+    scan: Callable[[list[list[Piece]]], tuple[list[torch.Tensor], torch.Tensor]]
+    correct: Callable[[list[Piece], torch.Tensor], list[torch.Tensor]] | None = None
+    through: Callable[[list[Piece]], tuple[list[torch.Tensor], torch.Tensor]] | None = None
+
+
+def laid_end_to_end(t: torch.Tensor, pieces: list[Piece]) -> torch.Tensor:
+    """``t``'s ``pieces`` (of its rows ``[b, L, ...]``) as one row ``[1, n, ...]``: a view when they follow each other
+    in ``t``'s memory order (a rank's documents in a row, rows in order), else a copy."""
+    length = t.shape[1]
+    flat = [(row * length + sl.start, row * length + sl.stop) for row, sl in pieces]
+    if all(before[1] == after[0] for before, after in itertools.pairwise(flat)):
+        return t.reshape(1, -1, *t.shape[2:])[:, flat[0][0] : flat[-1][1]]
+    return torch.cat([t[row : row + 1, sl] for row, sl in pieces], dim=1)
 
 
 @dataclass(frozen=True)
@@ -83,22 +95,27 @@ class Recurrence:
     through: Callable[[int, slice], tuple[torch.Tensor, torch.Tensor]] | None = None
     batch: SegmentBatch | None = None
 
-    def scan_pieces(self, pieces: list[Piece], final: list[bool]) -> tuple[list[torch.Tensor], list]:
-        """Each segment from a zero state: its output and final state ``[heads, K, cols]`` (``None`` where not
-        ``final`` and the segments run one by one)."""
-        if not pieces:
+    def scan_runs(self, runs: list[list[Piece]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each run's segments from zero states: every segment's output (in order) and each run's final state
+        ``[heads, K, cols]`` (its last segment's)."""
+        if not runs:
             return [], []
         if self.batch is not None:
-            outs, states = self.batch.scan(pieces)
+            outs, states = self.batch.scan(runs)
             return outs, list(states.unbind(0))
-        results = [self.scan(row, sl, None, want) for (row, sl), want in zip(pieces, final, strict=True)]
-        return [out for out, _ in results], [None if state is None else state[0] for _, state in results]
+        outs, finals = [], []
+        for pieces in runs:
+            for n, (row, sl) in enumerate(pieces):
+                out, state = self.scan(row, sl, None, n == len(pieces) - 1)
+                outs.append(out)
+            finals.append(state[0])
+        return outs, finals
 
     def through_pieces(self, pieces: list[Piece]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Runs with no document start: each one's output and ``[S_ext | M]``."""
         if not pieces:
             return [], []
-        if self.batch is not None:
+        if self.batch is not None and self.batch.through is not None:
             outs, summaries = self.batch.through(pieces)
             return outs, list(summaries.unbind(0))
         results = [self.through(row, sl) for row, sl in pieces]
@@ -106,7 +123,7 @@ class Recurrence:
 
     def correct_pieces(self, pieces: list[Piece], states: torch.Tensor) -> list[torch.Tensor]:
         """What each incoming state (``states [len(pieces), heads, K, cols]``) adds to its segment's output."""
-        if self.batch is not None:
+        if self.batch is not None and self.batch.correct is not None:
             return self.batch.correct(pieces, states)
         return [self.correct(row, sl, states[n : n + 1]) for n, (row, sl) in enumerate(pieces)]
 
@@ -140,7 +157,7 @@ def carry_runs(
             if through and rec.through is not None:
                 passed.append((row, i, run, slices[0]))
             else:  # each segment alone, from zero; the last one's final state is the run's S_ext
-                scanned += [(row, i, run, sl, n == len(slices) - 1, through) for n, sl in enumerate(slices)]
+                scanned.append((row, i, run, slices, through))
             if continues:
                 pending.append((row, i, run, slices[0]))
 
@@ -148,13 +165,13 @@ def carry_runs(
     for (row, i, run, _), out, summary in zip(passed, outs, passed_summaries, strict=True):
         summaries[run.index, row] = summary
         outputs[row][i].append(out)
-    outs, finals = rec.scan_pieces([(row, sl) for row, _, _, sl, _, _ in scanned], [s[4] for s in scanned])
-    for (row, i, run, _, last, through), out, final in zip(scanned, outs, finals, strict=True):
-        outputs[row][i].append(out)
-        if last:
-            summaries[run.index, row, ..., :cols] = final
-            if through:
-                summaries[run.index, row, ..., cols:] = rec.transition(row, run)
+    outs, finals = rec.scan_runs([[(row, sl) for sl in slices] for row, _, _, slices, _ in scanned])
+    outs = iter(outs)
+    for (row, i, run, slices, through), final in zip(scanned, finals, strict=True):
+        outputs[row][i] += [next(outs) for _ in slices]
+        summaries[run.index, row, ..., :cols] = final
+        if through:
+            summaries[run.index, row, ..., cols:] = rec.transition(row, run)
 
     incoming, gathered = incoming_states(summaries, runs, group, cols)
     if carry_state and pending:

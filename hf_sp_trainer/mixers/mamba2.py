@@ -9,6 +9,9 @@ to it). Each document segment inside a run is scanned alone from zero (packed do
 the segment that continues a document from an earlier rank adds the scan of ``x = 0`` from the incoming state, in
 which ``D x`` vanishes: ``y(x, h_in) = y(x, 0) + y(0, h_in)``. ``relay=True`` (``sp_state_passing="relay"``, a
 debugging aid) scans the first segment from the state handed over by the rank before instead (``relay``).
+``varlen=True`` (the installed scan keeps segments apart by ``seq_idx``, as mamba_ssm's does: ``checks.
+seq_idx_capable``) scans each run's segments in one call, whose final state is its last segment's (mamba_ssm's
+per-segment ``return_varlen_states`` has no backward, so not one call for all runs).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .linear_state import Recurrence, carry_runs
+from .linear_state import Piece, Recurrence, SegmentBatch, carry_runs, laid_end_to_end
 from .runs import Run, ShardRuns
 
 
@@ -53,10 +56,11 @@ def sp_mamba2_chunk_scan(
     dt_softplus: bool = False,
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     relay: bool = False,
+    varlen: bool = False,
 ) -> torch.Tensor:
     """The model's chunked ``scan`` on this rank's shard (``x [b, L, H, P]``, ``dt [b, L, H]``, ``B``/``C``
     ``[b, L, G, N]``), each document as if alone; the scan's output ``[b, L, H, P]``. ``relay``: the state handed
-    rank to rank (``relay.py``) instead of gathered."""
+    rank to rank (``relay.py``) instead of gathered; ``varlen``: the scan takes ``seq_idx`` (module docstring)."""
     b, _, heads, head_dim = x.shape
     steps = step_sizes(dt, dt_bias, dt_softplus, dt_limit)
 
@@ -87,6 +91,21 @@ def sp_mamba2_chunk_scan(
     def correct(row: int, sl: slice, state: torch.Tensor) -> torch.Tensor:  # x = 0: D x vanishes
         return call(row, sl, x.new_zeros(x[row : row + 1, sl].shape), state, True, False)
 
+    def scan_runs(runs: list[list[Piece]]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Each run's segments in one call, kept apart by ``seq_idx``; the call's final state is its last one's."""
+        outs, finals = [], []
+        for pieces in runs:
+            lengths = torch.tensor([sl.stop - sl.start for _, sl in pieces])
+            seq_idx = torch.repeat_interleave(torch.arange(len(pieces), dtype=torch.int32), lengths)[None]
+            values, dt_, B_, C_ = (laid_end_to_end(t, pieces) for t in (x, dt, B, C))
+            out, final = scan(
+                values, dt=dt_, A=A, B=B_, C=C_, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                initial_states=None, seq_idx=seq_idx.to(x.device), return_final_states=True,
+            )  # fmt: skip
+            outs += list(out.split(lengths.tolist(), dim=1))
+            finals.append(final[0])
+        return outs, torch.stack(finals)
+
     rec = Recurrence(
         rows=b,
         state=(heads, head_dim, B.shape[-1]),
@@ -95,5 +114,6 @@ def sp_mamba2_chunk_scan(
         scan=segment,
         correct=correct,
         transition=transition,
+        batch=SegmentBatch(scan_runs) if varlen else None,
     )
     return carry_runs(rec, runs, group, relay=relay).contiguous()

@@ -32,7 +32,15 @@ from ..model.mixers import DECODE_ONLY_KERNELS, SP_KERNELS, SP_MODULES, covered_
 from ..sharding import SequenceSharding
 from ..topology import SPTopology
 from .causal_conv import sp_causal_conv1d
-from .checks import CHECKS, check_fused_fallback, check_kernel, check_module, parameter_device, varlen_capable
+from .checks import (
+    CHECKS,
+    check_fused_fallback,
+    check_kernel,
+    check_module,
+    parameter_device,
+    seq_idx_capable,
+    varlen_capable,
+)
 from .gated_deltanet import sp_chunk_gated_delta_rule
 from .lightning import lightning_forward
 from .mamba2 import sp_mamba2_chunk_scan
@@ -142,10 +150,12 @@ def _mamba2_entry(original: Callable) -> Callable:
         runs = ctx.runs(bounds, hidden_states.shape[0])
         options = {k: kwargs[k] for k in ("dt_softplus", "dt_limit") if k in kwargs}
         scan = functools.partial(original, chunk_size=chunk_size)
+        varlen = seq_idx_capable(original, hidden_states.device)  # mamba_ssm's: one call per run
         with recompute_region():
             return sp_mamba2_chunk_scan(
-                scan, hidden_states, dt, A, B, C, runs, ctx.group, D=D, dt_bias=dt_bias, relay=ctx.relay, **options
-            )
+                scan, hidden_states, dt, A, B, C, runs, ctx.group, D=D, dt_bias=dt_bias, relay=ctx.relay,
+                varlen=varlen, **options,
+            )  # fmt: skip
 
     return mamba2_chunk_scan
 

@@ -26,21 +26,25 @@ def _check(name: str, result: dict, key: str = "err") -> None:
     assert result[key] <= TOL, f"{name}: {key} {result[key]:.3e} at {result.get('where')}"
 
 
-@pytest.mark.parametrize("name", [c[0] for c in WORLD2 if c[1] in ("sp", "kernel")])
+@pytest.mark.parametrize("name", [c[0] for c in WORLD2 if c[1] in ("sp", "kernel", "mamba2_kernel")])
 def test_sp_matches_torch_path(name: str, world2: dict) -> None:
     _check(name, world2[name])
 
 
-@pytest.mark.parametrize("name", [c[0] for c in WORLD2 if c[1] == "kernel" and c[2].get("varlen")])
+@pytest.mark.parametrize("name", [c[0] for c in WORLD2 if "kernel" in c[1] and c[2].get("varlen")])
 def test_varlen_kernel_calls(name: str, world2: dict) -> None:
     """FLA's kernels take ``cu_seqlens``: a rank's forward calls one at most three times (its segments from zero, its
-    runs with no document start, the corrections) for its 3-7 document segments."""
-    assert 1 <= world2[name]["kernel_calls"] <= 3, world2[name]
+    runs with no document start, the corrections) for its 3-7 document segments. mamba_ssm's scan takes ``seq_idx``:
+    one call per run, plus at most one correction per run."""
+    runs = 2 if "ring2" in name else 1
+    bound = 2 * runs if name.startswith("mamba2") else 3
+    assert 1 <= world2[name]["kernel_calls"] <= bound, world2[name]
 
 
-@pytest.mark.parametrize("name", [c[0] for c in WORLD2 + WORLD4 if c[1] == "sp" and c[2]["kind"] in ("gdn", "kda")])
+@pytest.mark.parametrize("name", [c[0] for c in WORLD2 + WORLD4 if c[1] == "sp"])
 def test_models_take_the_varlen_path(name: str, world2: dict, world4: dict) -> None:
-    """The SP entry of a Qwen3.5 / Kimi-Linear layer running FLA's kernel takes the ``cu_seqlens`` path."""
+    """The SP entry of a Qwen3.5 / Kimi-Linear layer running FLA's kernel takes the ``cu_seqlens`` path, of a
+    Granite-4.0-H layer running mamba_ssm's scan the ``seq_idx`` path."""
     assert {**world2, **world4}[name]["varlen"] is True
 
 

@@ -85,17 +85,20 @@ def sp_case(kind: str, sp_size: int, ring_size: int | None = None, train: bool =
 
 
 def _entry_takes_varlen(model) -> bool | None:
-    """Whether the SP delta-rule entry runs ``model``'s installed kernel through its ``cu_seqlens`` path (the
-    entry's own decision, ``checks.varlen_capable``); ``None``: no delta rule."""
+    """Whether the SP entry runs ``model``'s installed kernel through its varlen path (the entry's own decision:
+    ``checks.varlen_capable`` for the delta rules' ``cu_seqlens``, ``checks.seq_idx_capable`` for Mamba2's
+    ``seq_idx``); ``None``: neither kernel."""
     import sys
 
     from hf_sp_trainer import patches
-    from hf_sp_trainer.mixers.checks import varlen_capable
+    from hf_sp_trainer.mixers.checks import seq_idx_capable, varlen_capable
 
     module = sys.modules[type(model.model).__module__]
     for name, channel_decay in (("torch_chunk_gated_delta_rule", False), ("chunk_kimi_delta_attention", True)):
         if hasattr(module, name):
             return varlen_capable(patches.original(module, name), "cpu", channel_decay)
+    if hasattr(module, "mamba2_chunk_scan"):
+        return seq_idx_capable(patches.original(module, "mamba2_chunk_scan"), "cpu")
     return None
 
 
@@ -182,7 +185,22 @@ def trainer_case(case) -> dict:
     return {**result, "train_head_calls": len(calls)}
 
 
-CASES = {"sp": sp_case, "after_sp": after_sp_case, "kernel": kernel_case, "trainer": trainer_case}
+def mamba2_kernel_case(docs: list[int], ring_size: int = 1, varlen: bool = False) -> dict:
+    """``tests/mixer_harness.py``'s kernel-level Mamba2 check with the installed scan (mamba_ssm's, through
+    transformers' hub wrapper) as the SP scan and the per-document reference; ``varlen``: its ``seq_idx`` path (one
+    call per run, its calls in ``kernel_calls``)."""
+    from tests import mixer_harness
+
+    diffs = mixer_harness.check_mamba2(docs, ring_size, varlen=varlen)
+    calls = diffs.pop(mixer_harness.KERNEL_CALLS, None)
+    where = max(diffs, key=diffs.get)
+    return {"err": diffs[where], "where": where, "kernel_calls": calls}
+
+
+CASES = {
+    "sp": sp_case, "after_sp": after_sp_case, "kernel": kernel_case, "mamba2_kernel": mamba2_kernel_case,
+    "trainer": trainer_case,
+}  # fmt: skip
 
 
 def serve(cases: list[tuple[str, str, dict]]) -> dict[str, dict]:

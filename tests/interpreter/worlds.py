@@ -27,6 +27,11 @@ WORLD2 += [
     for kind in ("gdn", "kda")
 ]
 WORLD2 += [("gdn_kernel_varlen_ring2", "kernel", dict(kernel="gdn", docs=MANY_DOCUMENTS, varlen=True, ring_size=2))]
+# mamba_ssm's seq_idx path: each run's segments in one call
+WORLD2 += [
+    (f"mamba2_kernel_varlen_{name}", "mamba2_kernel", dict(docs=MANY_DOCUMENTS, varlen=True, ring_size=ring))
+    for name, ring in (("sp2", 1), ("ring2", 2))
+]
 WORLD2 += [(LIGER_SP2.name, "trainer", dict(case=LIGER_SP2))]
 WORLD4 = [
     (f"{kind}_sp4_ring2", "sp", dict(kind=kind, sp_size=4, ring_size=2, train=MAMBA_TRAIN.get(kind, False)))
