@@ -94,7 +94,8 @@ def varlen_timings(device: torch.device, dtype: torch.dtype, tokens: int, doc_le
                    repeats: int) -> dict[str, Any]:  # fmt: skip
     """Per document length: the loop's and (where the kernel takes ``cu_seqlens``) the varlen path's time, calls and
     difference."""
-    from hf_sp_trainer.mixers.checks import dispatch_device, varlen_capable
+    from hf_sp_trainer.mixers.check_parts import dispatch_device
+    from hf_sp_trainer.mixers.varlen_checks import varlen_capable
 
     kernel = delta_rule_kernel()
     varlen_ok = varlen_capable(kernel, device)

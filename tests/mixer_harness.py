@@ -17,13 +17,13 @@ from transformers.models.recurrent_gemma import modeling_recurrent_gemma as recu
 
 from hf_sp_trainer.documents import document_bounds
 from hf_sp_trainer.mixers.causal_conv import sp_causal_conv1d
-from hf_sp_trainer.mixers.checks import seq_idx_capable, varlen_capable
 from hf_sp_trainer.mixers.gated_deltanet import sp_chunk_gated_delta_rule
 from hf_sp_trainer.mixers.lightning import lightning_forward
 from hf_sp_trainer.mixers.mamba2 import sp_mamba2_chunk_scan
 from hf_sp_trainer.mixers.rg_lru import recurrent_block_forward, sp_rnn_scan
 from hf_sp_trainer.mixers.runs import shard_runs
 from hf_sp_trainer.mixers.selective_scan import sp_selective_scan
+from hf_sp_trainer.mixers.varlen_checks import seq_idx_capable, varlen_capable
 from hf_sp_trainer.sharding import SequenceSharding
 from hf_sp_trainer.topology import release_groups, sp_topology
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_sp_trainer.mixers.checks import _seq_idx_ok, _varlen_ok, seq_idx_capable, varlen_capable
 from hf_sp_trainer.mixers.linear_state import laid_end_to_end
+from hf_sp_trainer.mixers.varlen_checks import _seq_idx_ok, _varlen_ok, seq_idx_capable, varlen_capable
 from tests.mixer_harness import GDN, KDA, SCAN, segmentwise_seq_idx, segmentwise_varlen
 
 pytestmark = pytest.mark.unit  # in-process

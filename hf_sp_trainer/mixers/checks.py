@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import sys
 from collections.abc import Callable
 
@@ -20,7 +19,7 @@ from transformers import AttentionInterface
 from ..attention.dsa import PROJECTIONS, document_causal, document_ids, selected_attention, sp_index_topk
 from ..sharding import SequenceSharding
 from .block_checks import block_sparse_ok
-from .check_parts import random_module, rotary_embedding
+from .check_parts import close, dispatch_device, on_device, random_module, rotary_embedding
 from .lightning import lightning_forward
 from .mamba2 import run_decay, step_sizes
 from .positional_dsa_checks import positional_attention_ok, positional_indexer_ok
@@ -52,16 +51,6 @@ def check_fused_fallback(fn: Callable) -> None:
 
 def parameter_device(model: torch.nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
-
-
-def dispatch_device(device: torch.device | str | None) -> str | None:
-    """Where the kernel a hub wrapper dispatches to (flash-linear-attention's, mamba-ssm's Triton kernels) can run for
-    a model on ``device``: that CUDA device, or the CPU under Triton's interpreter (``TRITON_INTERPRET=1``, set
-    before Python starts: the GPU-kernel test tier); ``None``: not here (the wrapper's torch path is what runs)."""
-    device = torch.device(device or "cpu")
-    if device.type == "cuda":
-        return str(device)
-    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
 
 
 def check_kernel(module_name: str, name: str, fn: Callable, device: torch.device | str | None = None) -> None:
@@ -147,7 +136,7 @@ def _recurrent_block_ok(cls: type, forward: Callable) -> bool:
         positions = torch.cat([torch.arange(e - s) for s, e in docs])[None]
         runs = shard_runs(torch.tensor([0, 7, 13]), 1, SequenceSharding(1), 0)
         ours = recurrent_block_forward(block, hidden, positions, runs, None, {})[0]
-    return _close(ours, torch.cat([out for out, _ in alone], dim=1))
+    return close(ours, torch.cat([out for out, _ in alone], dim=1))
 
 
 @functools.cache
@@ -168,10 +157,10 @@ def _rnn_scan_ok(cls: type, scan: Callable) -> bool:
     head, mid = run(0, 4, s0)
     rest, end = run(4, 9, mid)
     return (
-        _close(whole, zero + a.cumprod(1) * s0[:, None])
-        and _close(last, last_zero + a.prod(1) * s0)
-        and _close(torch.cat([head, rest], 1), whole)
-        and _close(end, last)
+        close(whole, zero + a.cumprod(1) * s0[:, None])
+        and close(last, last_zero + a.prod(1) * s0)
+        and close(torch.cat([head, rest], 1), whole)
+        and close(end, last)
     )
 
 
@@ -249,7 +238,7 @@ def _dsa_attention_ok(cls: type, forward: Callable) -> bool:
         reference = forward(layer, hidden_states=hidden, position_embeddings=embeddings, attention_mask=causal)[0]
         layer.config._attn_implementation = DSA_CHECK_KEY
         ours = forward(layer, hidden_states=hidden, position_embeddings=embeddings, attention_mask=causal)[0]
-    return handed == [True] and _close(ours, reference)
+    return handed == [True] and close(ours, reference)
 
 
 _MODULE_CHECKS: dict[str, Callable[[type, Callable], bool]] = {
@@ -272,21 +261,11 @@ _MODULE_CHECKS: dict[str, Callable[[type, Callable], bool]] = {
 }
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal to fp32 round-off; on CUDA, where Triton's dots take fp32 through TF32 (a 10-bit mantissa), to 1e-2: a
-    broken identity is off by O(1)."""
-    return torch.allclose(a, b, rtol=1e-2, atol=1e-2) if a.is_cuda else torch.allclose(a, b, atol=1e-5)
-
-
-def _on(device: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
-    return [t.to(device) for t in tensors]
-
-
 @functools.cache
 def _conv_ok(fn: Callable, device: str = "cpu") -> bool:
     gen = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(2, 3, 7, generator=gen), torch.randn(3, 4, generator=gen), torch.randn(3, generator=gen)
-    x, w, b = _on(device, x, w, b)
+    x, w, b = on_device(device, x, w, b)
     expected = F.silu(F.conv1d(x, w.unsqueeze(1), b, padding=3, groups=3)[..., :7])
     return torch.allclose(fn(x, w, bias=b, activation="silu"), expected, atol=1e-6)  # only run on CPU
 
@@ -301,7 +280,7 @@ def _gdn_ok(fn: Callable, device: str = "cpu", channel_decay: bool = False) -> b
     v, zeros = torch.randn(1, 10, 2, 16, generator=gen), torch.zeros(1, 10, 2, 16)
     g = -torch.rand(1, 10, 2, *((16,) if channel_decay else ()), generator=gen)
     beta, s0 = torch.rand(1, 10, 2, generator=gen), torch.randn(1, 2, 16, 16, generator=gen)
-    q, k, v, zeros, g, beta, s0 = _on(device, q, k, v, zeros, g, beta, s0)
+    q, k, v, zeros, g, beta, s0 = on_device(device, q, k, v, zeros, g, beta, s0)
     run = functools.partial(fn, chunk_size=4, output_final_state=True, use_qk_l2norm_in_kernel=True)
     out, final = run(q, k, v, g=g, beta=beta, initial_state=s0)  # past q, k, v by name: FLA's differ from ours
     out_v, final_v = run(q, k, v, g=g, beta=beta, initial_state=None)
@@ -309,76 +288,11 @@ def _gdn_ok(fn: Callable, device: str = "cpu", channel_decay: bool = False) -> b
     first, mid = run(q[:, :6], k[:, :6], v[:, :6], g=g[:, :6], beta=beta[:, :6], initial_state=s0)
     rest, end = run(q[:, 6:], k[:, 6:], v[:, 6:], g=g[:, 6:], beta=beta[:, 6:], initial_state=mid)
     return (
-        _close(out, out_v + out_s)
-        and _close(final, final_v + final_s)
-        and _close(torch.cat([first, rest], 1), out)
-        and _close(end, final)
+        close(out, out_v + out_s)
+        and close(final, final_v + final_s)
+        and close(torch.cat([first, rest], 1), out)
+        and close(end, final)
     )
-
-
-def varlen_capable(fn: Callable, device: torch.device | str, channel_decay: bool = False) -> bool:
-    """Whether the installed delta-rule kernel ``fn`` runs, for a model on ``device``, many segments in one call
-    (``cu_seqlens``: FLA's kernels, where they run, ``dispatch_device``), as ``_varlen_ok`` checks; transformers' torch
-    path refuses ``cu_seqlens``: the SP delta rule then calls it once per segment."""
-    target = dispatch_device(device)
-    return target is not None and _varlen_ok(fn, target, channel_decay)
-
-
-@functools.cache
-def _varlen_ok(fn: Callable, device: str, channel_decay: bool) -> bool:
-    """Two segments (6 and 4 tokens) laid end to end in one call with ``cu_seqlens``, each from its own initial
-    state: their outputs and final states equal one call on each."""
-    gen = torch.Generator().manual_seed(1)
-    q, k = torch.randn(2, 1, 10, 2, 16, generator=gen)
-    v, s0 = torch.randn(1, 10, 2, 16, generator=gen), torch.randn(2, 2, 16, 16, generator=gen)
-    g = -torch.rand(1, 10, 2, *((16,) if channel_decay else ()), generator=gen)
-    beta, cu = torch.rand(1, 10, 2, generator=gen), torch.tensor([0, 6, 10])
-    q, k, v, s0, g, beta = _on(device, q, k, v, s0, g, beta)
-    run = functools.partial(fn, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    with torch.no_grad():
-        try:
-            out, final = run(q, k, v, g=g, beta=beta, initial_state=s0, cu_seqlens=cu.to(device), cu_seqlens_cpu=cu)
-        except (ValueError, TypeError, NotImplementedError):  # transformers' torch path: "can't keep ... apart"
-            return False
-        alone = [
-            run(q[:, a:b], k[:, a:b], v[:, a:b], g=g[:, a:b], beta=beta[:, a:b], initial_state=s0[i : i + 1])
-            for i, (a, b) in enumerate(((0, 6), (6, 10)))
-        ]
-    expected_out, expected_final = torch.cat([o for o, _ in alone], 1), torch.cat([f for _, f in alone])
-    if out.shape != expected_out.shape or final is None or final.shape != expected_final.shape:
-        return False
-    return _close(out, expected_out) and _close(final, expected_final)
-
-
-def seq_idx_capable(fn: Callable, device: torch.device | str) -> bool:
-    """Whether the installed Mamba2 scan ``fn`` runs, for a model on ``device``, a run's segments in one call
-    (``seq_idx``: mamba_ssm's kernel, where it runs), as ``_seq_idx_ok`` checks; transformers' torch path refuses
-    ``seq_idx``: the SP scan then calls it once per segment."""
-    target = dispatch_device(device)
-    return target is not None and _seq_idx_ok(fn, target)
-
-
-@functools.cache
-def _seq_idx_ok(fn: Callable, device: str) -> bool:
-    """Two segments (5 and 6 tokens, chunks of 8: the cut inside one) in one call with ``seq_idx``: the outputs of a
-    call on each, and the second one's final state."""
-    gen = torch.Generator().manual_seed(1)
-    x, dt = torch.randn(1, 11, 2, 8, generator=gen), torch.randn(1, 11, 2, generator=gen)
-    A, (B, C) = -torch.rand(2, generator=gen) - 0.5, torch.randn(2, 1, 11, 1, 16, generator=gen)
-    D, bias = torch.randn(2, generator=gen), torch.randn(2, generator=gen)
-    seq_idx = torch.tensor([[0] * 5 + [1] * 6], dtype=torch.int32)
-    x, dt, A, B, C, D, bias, seq_idx = _on(device, x, dt, A, B, C, D, bias, seq_idx)
-    opts = dict(A=A, D=D, chunk_size=8, dt_bias=bias, dt_softplus=True, return_final_states=True)
-    with torch.no_grad():
-        try:
-            out, final = fn(x, dt=dt, B=B, C=C, seq_idx=seq_idx, **opts)  # past x by name: mamba_ssm's differs
-        except (ValueError, TypeError, NotImplementedError):  # transformers' torch path: "can't keep ... apart"
-            return False
-        alone = [fn(x[:, a:b], dt=dt[:, a:b], B=B[:, a:b], C=C[:, a:b], **opts) for a, b in ((0, 5), (5, 11))]
-    expected = torch.cat([o for o, _ in alone], 1)
-    if out.shape != expected.shape or final is None or final.shape != alone[1][1].shape:
-        return False
-    return _close(out, expected) and _close(final, alone[1][1])
 
 
 @functools.cache
@@ -390,7 +304,7 @@ def _mamba2_ok(fn: Callable, device: str = "cpu") -> bool:
     dt, A = torch.randn(1, 11, 2, generator=gen), -torch.rand(2, generator=gen) - 0.5
     B, C = torch.randn(2, 1, 11, 1, 16, generator=gen)
     D, bias, s0 = torch.randn(2, generator=gen), torch.randn(2, generator=gen), torch.randn(1, 2, 8, 16, generator=gen)
-    x, zeros, dt, A, B, C, D, bias, s0 = _on(device, x, zeros, dt, A, B, C, D, bias, s0)
+    x, zeros, dt, A, B, C, D, bias, s0 = on_device(device, x, zeros, dt, A, B, C, D, bias, s0)
     opts = dict(chunk_size=8, dt_bias=bias, dt_softplus=True, dt_limit=(0.2, 1.5), return_final_states=True)
     out, final = fn(x, dt=dt, A=A, B=B, C=C, D=D, initial_states=s0, **opts)  # past x by name: mamba_ssm's differs
     out_x, final_x = fn(x, dt=dt, A=A, B=B, C=C, D=D, initial_states=None, **opts)
@@ -399,10 +313,10 @@ def _mamba2_ok(fn: Callable, device: str = "cpu") -> bool:
     head, tail = fn(x[:, :5], dt=dt[:, :5], A=A, B=B[:, :5], C=C[:, :5], D=D, initial_states=s0, **opts)
     rest, end = fn(x[:, 5:], dt=dt[:, 5:], A=A, B=B[:, 5:], C=C[:, 5:], D=D, initial_states=tail, **opts)
     return (
-        _close(out, out_x + out_s)
-        and _close(final, final_x + decay * s0)
-        and _close(torch.cat([head, rest], 1), out)
-        and _close(end, final)
+        close(out, out_x + out_s)
+        and close(final, final_x + decay * s0)
+        and close(torch.cat([head, rest], 1), out)
+        and close(end, final)
     )
 
 
@@ -415,7 +329,7 @@ def _selective_ok(fn: Callable, device: str = "cpu") -> bool:
     u, delta, z = torch.randn(3, 1, 4, 11, generator=gen)
     A, B, C = -torch.rand(4, 3, generator=gen) - 0.5, *torch.randn(2, 1, 3, 11, generator=gen)
     D, bias = torch.randn(2, 4, generator=gen)
-    u, delta, z, A, B, C, D, bias = _on(device, u, delta, z, A, B, C, D, bias)
+    u, delta, z, A, B, C, D, bias = on_device(device, u, delta, z, A, B, C, D, bias)
     opts = dict(D=D, delta_bias=bias, delta_softplus=True, return_last_state=True)
     whole, last = fn(u, delta, A, B, C, z=z, **opts)  # by position: mamba-ssm names them u, delta
     head, mid = fn(u[..., :5], delta[..., :5], A, B[..., :5], C[..., :5], z=z[..., :5], **opts)
@@ -423,7 +337,7 @@ def _selective_ok(fn: Callable, device: str = "cpu") -> bool:
     steps = discretised_steps(delta[..., 5:], bias, True)
     carried = state_output(A, steps, C[..., 5:], mid.float()) * F.silu(z[..., 5:])
     decay = torch.exp(A * steps[0].sum(-1)[:, None])
-    return _close(torch.cat([head, rest + carried], -1).float(), whole.float()) and _close(
+    return close(torch.cat([head, rest + carried], -1).float(), whole.float()) and close(
         (end.float() + decay * mid.float()), last.float()
     )
 

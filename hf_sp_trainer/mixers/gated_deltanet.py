@@ -9,8 +9,8 @@ that continues a document from an earlier rank adds the kernel's output for valu
 ``o(v, S_in) = o(v, 0) + o(0, S_in)``. ``relay=True`` (``sp_state_passing="relay"``, a debugging aid) runs the
 first segment from the state handed over by the rank before instead (``relay``).
 
-``varlen=True`` (the installed kernel takes ``cu_seqlens``, as FLA's does: ``checks.varlen_capable``) runs each of
-those lists of segments (from zero; the widened runs; the corrections) as one sequence of segments in one kernel
+``varlen=True`` (the installed kernel takes ``cu_seqlens``, as FLA's does: ``varlen_checks.varlen_capable``) runs
+each of those lists of segments (from zero; the widened runs; the corrections) as one sequence of segments in one kernel
 call, each segment from its own initial state with its own final state: at most three calls per layer and rank
 instead of one per document segment.
 """

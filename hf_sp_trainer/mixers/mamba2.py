@@ -9,7 +9,7 @@ to it). Each document segment inside a run is scanned alone from zero (packed do
 the segment that continues a document from an earlier rank adds the scan of ``x = 0`` from the incoming state, in
 which ``D x`` vanishes: ``y(x, h_in) = y(x, 0) + y(0, h_in)``. ``relay=True`` (``sp_state_passing="relay"``, a
 debugging aid) scans the first segment from the state handed over by the rank before instead (``relay``).
-``varlen=True`` (the installed scan keeps segments apart by ``seq_idx``, as mamba_ssm's does: ``checks.
+``varlen=True`` (the installed scan keeps segments apart by ``seq_idx``, as mamba_ssm's does: ``varlen_checks.
 seq_idx_capable``) scans each run's segments in one call, whose final state is its last segment's (mamba_ssm's
 per-segment ``return_varlen_states`` has no backward, so not one call for all runs).
 """

@@ -38,8 +38,6 @@ from .checks import (
     check_kernel,
     check_module,
     parameter_device,
-    seq_idx_capable,
-    varlen_capable,
 )
 from .gated_deltanet import sp_chunk_gated_delta_rule
 from .lightning import lightning_forward
@@ -48,6 +46,7 @@ from .rg_lru import recurrent_block_forward, sp_rnn_scan
 from .runs import shard_runs
 from .selection import block_indexer_entry, dsa_attention_entry, dsa_indexer_entry, positional_indexer_entry
 from .selective_scan import sp_selective_scan
+from .varlen_checks import seq_idx_capable, varlen_capable
 
 STATE_PASSING = ("gather", "relay")  # linear_state.py (the default) and relay.py (a debugging aid)
 

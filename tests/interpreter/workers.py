@@ -86,12 +86,12 @@ def sp_case(kind: str, sp_size: int, ring_size: int | None = None, train: bool =
 
 def _entry_takes_varlen(model) -> bool | None:
     """Whether the SP entry runs ``model``'s installed kernel through its varlen path (the entry's own decision:
-    ``checks.varlen_capable`` for the delta rules' ``cu_seqlens``, ``checks.seq_idx_capable`` for Mamba2's
-    ``seq_idx``); ``None``: neither kernel."""
+    ``varlen_checks.varlen_capable`` for the delta rules' ``cu_seqlens``, ``varlen_checks.seq_idx_capable`` for
+    Mamba2's ``seq_idx``); ``None``: neither kernel."""
     import sys
 
     from hf_sp_trainer import patches
-    from hf_sp_trainer.mixers.checks import seq_idx_capable, varlen_capable
+    from hf_sp_trainer.mixers.varlen_checks import seq_idx_capable, varlen_capable
 
     module = sys.modules[type(model.model).__module__]
     for name, channel_decay in (("torch_chunk_gated_delta_rule", False), ("chunk_kimi_delta_attention", True)):
