@@ -24,13 +24,20 @@ from ..documents import (
 )
 
 
-def selection_sp(kwargs: dict, module: str):
-    """``(bounds, topology)`` of the SP forward running the caller (SP's kwargs in ``kwargs``, else the scope);
-    ``None`` outside one and at sp_size 1; inside an SP forward without them, ``module`` raises."""
+def _sp_documents(kwargs: dict):
+    """``(bounds, mixer context)`` SP's kwargs hand the caller (in ``kwargs``, else the scope); ``None`` for either
+    that is missing."""
     bounds, ctx = kwargs.get(BOUNDS_KWARG), (kwargs.get(SP_KWARG) or {}).get("mixers")
     if bounds is None:
         scoped = scoped_sp_kwargs()
         bounds, ctx = scoped.get(BOUNDS_KWARG), (scoped.get(SP_KWARG) or {}).get("mixers")
+    return bounds, ctx
+
+
+def selection_sp(kwargs: dict, module: str):
+    """``(bounds, topology)`` of the SP forward running the caller (SP's kwargs in ``kwargs``, else the scope);
+    ``None`` outside one and at sp_size 1; inside an SP forward without them, ``module`` raises."""
+    bounds, ctx = _sp_documents(kwargs)
     if bounds is None or ctx is None:
         refuse_without_documents(module)
         return None
@@ -40,7 +47,7 @@ def selection_sp(kwargs: dict, module: str):
 def refuse_packed_rows_at_sp1(module: str, rows: int, why: str) -> None:
     """At sp_size 1 (documents kept apart in one process: SP's kwargs present, no topology), raise when a row holds
     more than one document: ``module``'s installed selection (run there) would not compute each as alone (``why``)."""
-    bounds, ctx = scoped_sp_kwargs().get(BOUNDS_KWARG), (scoped_sp_kwargs().get(SP_KWARG) or {}).get("mixers")
+    bounds, ctx = _sp_documents({})
     if bounds is None or ctx is None or ctx.topology is not None:
         return
     seq = int(bounds[-1]) // rows
