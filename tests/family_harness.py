@@ -111,9 +111,10 @@ FAMILY_EXTRA = {
     "deepseek_v32": {"index_n_heads": 16},
     "axk2": {"index_n_heads": 16},
     "dots3_note_text": {"index_n_heads": 16},
+    "hy_v4": {"index_n_heads": 16, "indexer_types": ["full", "shared"] * 2},  # shared: the full one's top-k
     "glm_moe_dsa": {"index_n_heads": 16, "indexer_types": ["full", "shared"] * 2},  # shared: the full one's top-k
-    "qwen4_exp_text": dict(
-        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4
+    "qwen4_exp_text": dict(  # top-2 blocks of 4 tokens (16 indexer heads: no exact zero-score ties, as for DSA)
+        indexer_n_heads=16, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4
     ),  # fmt: skip
 }
 

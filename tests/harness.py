@@ -51,6 +51,7 @@ HYBRID_FAMILIES = {
     "jamba": "JambaConfig",  # Mamba1 (selective scan, called without **kwargs) and attention, MoE with router loss
     "mamba": "MambaConfig",  # pure Mamba1: its model passes its layers no kwargs at all
     "recurrent_gemma": "RecurrentGemmaConfig",  # RG-LRU (conv + diagonal recurrence) and local attention
+    "qwen4_exp": "Qwen4ExpTextConfig",  # Gated DeltaNet and query-sparse attention (top-2 blocks of 4), MoE router loss
 }
 PURE_SSM = {"mamba2", "mamba"}  # no attention: eager (no sdpa to set)
 # Families whose transformers forward of a position_ids-packed row differs from each document alone (hybrid layers'
@@ -75,6 +76,24 @@ MLA = dict(
     n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32, n_group=1, topk_group=1, **MOE,
 )  # fmt: skip
 FAMILY_OVERRIDES = {
+    "qwen4_exp": dict(
+        layer_types=["linear_attention", "indexed_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        output_router_logits=True,
+        router_aux_loss_coef=0.5,
+        indexer_n_heads=16,  # no exact zero-score ties at the k-th block (as for DSA)
+        indexer_kv_heads=1,
+        indexer_head_dim=16,
+        indexer_budget=8,
+        indexer_compress_ratio=4,
+    ),  # fmt: skip
     # its window (12) under the rows; its conv across packed documents in transformers' own forward
     "recurrent_gemma": dict(lru_width=64, block_types=["recurrent", "attention"], attention_window_size=12),
     "mamba2": dict(num_heads=8, head_dim=16, n_groups=1, state_size=16, expand=2, chunk_size=8),

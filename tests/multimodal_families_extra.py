@@ -1,4 +1,5 @@
-"""Kimi-K2.5 and dots3-note in the multimodal matrix: their tiny configs and their processors' media layouts.
+"""Kimi-K2.5, dots3-note, Mistral-Large-4 and MiniMax-M3-VL in the multimodal matrix: their tiny configs and their
+processors' media layouts.
 
 Both have 1-D positions (no ``get_rope_index``) and merge one feature row per placeholder from ``image_grid_thw`` /
 ``video_grid_thw`` grids; their text decoders are those of the text family suite (``tests/family_harness.py``'s
@@ -14,6 +15,10 @@ tiny configs), with their length settings brought under the rows here.
   MLA (window ``WINDOW``, crossing the shards) on the other, MoE; a Qwen2-VL-like tower with MoE blocks, ``[patches,
   12]`` pixel rows, ``t * h * w / 4`` placeholders per grid. Its audio tower is built but not fed (SP refuses audio).
   DSA runs under Ulysses SP only (a ring is refused), so its cases are Ulysses-only (``ULYSSES_ONLY``).
+
+- MiniMax-M3-VL (``MiniMaxM3SparseForConditionalGeneration``): a ``minimax_m3_vl_text`` decoder with block-sparse
+  selection (``BLOCK``, under the documents' lengths; Ulysses only); a Conv3d tower, one frame per temporal patch
+  here, so its pixel rows and placeholders are dots3-note's.
 
 GLM-5-Next (``Glm5NextForConditionalGeneration``) stays refused: its ``glm5_next_text`` decoder's DSA indexer scores
 k-pools of ``index_kpool`` tokens counted from the row's first token, which ``attention/dsa.py`` does not
@@ -35,11 +40,14 @@ WINDOW = 7  # dots3-note: its sliding layers' window
 FAMILIES = {
     "kimi_k25": "Kimi_K25ForConditionalGeneration",  # a DeepSeek-V3 decoder (MLA, MoE); videos pooled per chunk
     "dots3_note": "Dots3NoteForConditionalGeneration",  # DSA + sliding-window MLA, MoE; a tower with MoE blocks
+    "minimax_m3_vl": "MiniMaxM3SparseForConditionalGeneration",  # block-sparse selection, MoE
 }
 # Pixtral's image layout (the harness's ``PIXTRAL``: 4h x 4w pixels, h rows of w placeholders, [IMG_BREAK] rows)
 PIXTRAL_FAMILIES = {"mistral_large4": "MistralLarge4ForConditionalGeneration"}  # DSA (positional), MoE
 ULYSSES_ONLY = {"dots3_note": "DeepSeek sparse attention runs under Ulysses SP only (a ring is refused)"}
 ULYSSES_ONLY["mistral_large4"] = ULYSSES_ONLY["dots3_note"]
+ULYSSES_ONLY["minimax_m3_vl"] = "MiniMax-M3's block-sparse attention runs under Ulysses SP only (a ring is refused)"
+BLOCK = dict(index_block_size=4, index_topk_blocks=2, index_local_blocks=1)  # MiniMax-M3: top-2 blocks of 4 keys
 
 
 def kimi_k25_config():
@@ -96,7 +104,24 @@ def mistral_large4_config(topk: int = INDEX_TOPK):
     return MistralLarge4Config(vision_config=vision, text_config=text, image_token_index=IMG, spatial_merge_size=2)
 
 
+def minimax_m3_vl_config(topk_blocks: int = BLOCK["index_topk_blocks"]):
+    """MiniMax-M3-VL: its Conv3d tower (one frame per temporal patch: ``[patches, 12]`` pixel rows, ``t * h * w / 4``
+    placeholders per grid, videos through the same tower), a ``minimax_m3_vl_text`` decoder of a full-attention layer
+    and a block-sparse one (top-``topk_blocks`` blocks of 4 keys plus the local one per KV group, under the
+    documents' lengths), MoE."""
+    from transformers import MiniMaxM3VLConfig
+
+    from tests.family_harness import tiny_config
+
+    text = tiny_config("minimax_m3_vl_text").to_dict() | BLOCK | {"index_topk_blocks": topk_blocks}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, patch_size=2,
+                  temporal_patch_size=1, spatial_merge_size=2, image_size=16)  # fmt: skip
+    return MiniMaxM3VLConfig(text_config=text, vision_config=vision, image_token_id=IMG, video_token_id=VID,
+                             projector_hidden_size=32)  # fmt: skip
+
+
 CONFIGS = {"kimi_k25": kimi_k25_config, "dots3_note": dots3_note_config, "mistral_large4": mistral_large4_config}
+CONFIGS["minimax_m3_vl"] = minimax_m3_vl_config
 
 
 def extra_medium(
@@ -133,14 +158,12 @@ def dots3_note_reference_gaps(layout: str) -> dict[str, float]:
     return out
 
 
-def mistral_large4_reference_gap(layout: str) -> float:
-    """Negative control: how far the reference (each document alone) moves when Mistral-Large-4's top-k is taken out
-    of reach of the rows (10**6: every key selected)."""
+def selection_reference_gap(family: str, layout: str) -> float:
+    """Negative control: how far the reference (each document alone) moves when the family's top-k (Mistral-Large-4's
+    keys, MiniMax-M3-VL's blocks) is taken out of reach of the rows (10**6: everything selected)."""
     from tests.multimodal_harness import LAYOUTS, _instantiate_vlm, make_examples, reference, worst_error
 
-    examples = make_examples(LAYOUTS[layout], "mistral_large4")
-    ref, every = (
-        reference(_instantiate_vlm("mistral_large4", mistral_large4_config(topk), 0), examples)
-        for topk in (INDEX_TOPK, 10**6)
-    )
+    examples = make_examples(LAYOUTS[layout], family)
+    configs = (CONFIGS[family](), CONFIGS[family](10**6))
+    ref, every = (reference(_instantiate_vlm(family, config, 0), examples) for config in configs)
     return worst_error(ref, every)[0]

@@ -46,6 +46,17 @@ WORLD2 = [
     Case("mamba1_pure_sgd_ga2", family="mamba", attn="eager", grad_accum=2, **SGD),  # no kwargs reach its layers
     Case("recurrent_gemma_rg_lru_sgd_ga2", family="recurrent_gemma", grad_accum=2, **SGD),  # RG-LRU + local attention
     Case("ring2_recurrent_gemma_rg_lru", family="recurrent_gemma", sp_overrides=RING2, **SGD),
+    # Qwen4-Exp: Gated DeltaNet and query-sparse attention (the whole sequence's top-2 blocks of 4), MoE router loss
+    Case("qwen4_exp_qsa_sgd_ga2", family="qwen4_exp", grad_accum=2, **SGD),
+    # the selection recomputed in the backward; its indexer gets no gradient (as on one device), which DDP must be
+    # told of once checkpointing is on (transformers then leaves find_unused_parameters off)
+    Case(
+        "qwen4_exp_qsa_grad_ckpt",
+        family="qwen4_exp",
+        sp_overrides=CHECKPOINTING,
+        train_overrides=dict(ddp_find_unused_parameters=True),
+        **SGD,
+    ),
 ]
 WORLD4 = [
     Case("sp4_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, **SGD),  # a document over >= 3 ranks
@@ -55,6 +66,7 @@ WORLD4 = [
     Case("sp4_mamba2_pure", family="mamba2", attn="eager", sp_size=4, world_size=4, **SGD),
     Case("sp4_jamba_mamba1", family="jamba", sp_size=4, world_size=4, **SGD),
     Case("sp4_recurrent_gemma_rg_lru", family="recurrent_gemma", sp_size=4, world_size=4, **SGD),
+    Case("sp4_qwen4_exp_qsa", family="qwen4_exp", sp_size=4, world_size=4, **SGD),
     # the router loss off: a whole-batch product of averages, it differs per DP group with or without SP
     Case("dp2sp2_jamba_mamba1", family="jamba", sp_size=2, world_size=4, grad_accum=2, model_overrides=NO_AUX, **SGD),
     Case("relay_hybrid2x2_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, sp_overrides=RING2 | RELAY, **SGD),

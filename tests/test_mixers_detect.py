@@ -18,7 +18,6 @@ REFUSED = {  # model type, class: what the error must name
     "zaya": ("ZayaForCausalLM", ["Conv1d", "a convolution over the sequence"]),
     "xlstm": ("xLSTMForCausalLM", ["attention registry"]),
     "doge": ("DogeForCausalLM", ["DogeAttention", "computes its own mask"]),
-    "qwen4_exp_text": ("Qwen4ExpForCausalLM", ["Qwen4ExpTextAttention", "top-k selection"]),  # token-budget blocks
     "bert-generation": ("BertGenerationDecoder", ["is_causal=False"]),
 }
 EXACT = {
@@ -33,6 +32,7 @@ EXACT = {
     "dots3_note_text": "Dots3NoteForCausalLM",  # DSA on its indexed layers, sliding-window MLA on the others
     "mistral_large4_text": "MistralLarge4TextModel",  # DSA, queries scaled by document position (no causal LM)
     "minimax_m3_vl_text": "MiniMaxM3VLForCausalLM",  # block top-k: its indexer swapped (attention/block_sparse.py)
+    "hy_v4": "HYV4ForCausalLM",  # DSA with sinks, hyper-connections, shared top-k layers
 }
 
 
@@ -128,6 +128,7 @@ COVERED = {  # hybrid models whose mixers SP runs exactly (hf_sp_trainer.mixers.
     "zamba": ("ZambaForCausalLM", "ZambaMambaMixer"),  # Mamba1 heads, each its own scan
     "recurrent_gemma": ("RecurrentGemmaForCausalLM", "RecurrentGemmaRecurrentBlock"),  # its conv and RG-LRU scan
     "minimax": ("MiniMaxForCausalLM", "MiniMaxLightningAttention"),  # no kernel function: its forward is swapped
+    "qwen4_exp_text": ("Qwen4ExpForCausalLM", "Qwen4ExpTextGatedDeltaNet"),  # and query-sparse attention (qsa.py)
 }
 
 

@@ -125,6 +125,9 @@ SP2 = [
     # layers, its queries scaled by their document positions (Ulysses only)
     Case("mistral_large4", "mixed"),
     Case("mistral_large4", "padded"),
+    # MiniMax-M3-VL: block-sparse selection (top-2 blocks of 4 keys per KV group plus the local one; Ulysses only)
+    Case("minimax_m3_vl", "mixed"),
+    Case("minimax_m3_vl", "padded"),
 ]
 SP4 = [
     Case("qwen2_vl", "mixed", ring=2),
@@ -184,6 +187,8 @@ SP4 = [
     Case("dots3_note", "padded"),
     Case("mistral_large4", "mixed"),
     Case("mistral_large4", "padded"),
+    Case("minimax_m3_vl", "mixed"),
+    Case("minimax_m3_vl", "padded"),
 ]
 
 
@@ -241,6 +246,7 @@ def test_layouts_cover_the_hard_places() -> None:
     pairs = [("qwen2_vl", "mixed"), ("internvl", "mixed"), ("llava_next", "mixed"), ("mistral3", "mixed")]
     pairs += [("glm4v", "images"), ("gemma3", "mixed"), ("aya_vision", "mixed"), ("lighton_ocr", "mixed")]
     pairs += [("gemma4", "mixed"), ("llama4", "mixed"), ("kimi_k25", "mixed"), ("dots3_note", "mixed")]
+    pairs += [("minimax_m3_vl", "mixed")]
     for family, layout in [*pairs, ("glm4v", "videos")]:
         row = SPMultimodalCollator(build_vlm(family))(make_examples(LAYOUTS[layout], family))["input_ids"][0]
         half = len(row) // 2 + len(row) % 2
@@ -613,15 +619,17 @@ def test_dots3_note_length_settings_act() -> None:
 
 
 @pytest.mark.dist  # in-process, but four VLM references: off the unit tier's budget, as dots3-note's
-def test_mistral_large4_top_k_acts() -> None:
-    """Negative control for the Mistral-Large-4 cases: the reference moves far beyond the tolerance when its DSA top-k
-    (5) is taken out of reach of the rows, so an SP run matching it at 1e-5 honours it."""
-    from tests.multimodal_families_extra import mistral_large4_reference_gap
+@pytest.mark.parametrize("family", ["mistral_large4", "minimax_m3_vl"])
+def test_selection_top_k_acts(family: str) -> None:
+    """Negative control for the Mistral-Large-4 (top-5 keys) and MiniMax-M3-VL (top-2 blocks of 4) cases: the
+    reference moves far beyond the tolerance when the top-k is taken out of reach of the rows, so an SP run matching
+    it at 1e-5 honours it."""
+    from tests.multimodal_families_extra import selection_reference_gap
 
     for layout in ("mixed", "padded"):
-        gap = mistral_large4_reference_gap(layout)
-        print(layout, f"{gap:.2e}")
-        assert gap > 1e-2, (layout, gap)
+        gap = selection_reference_gap(family, layout)
+        print(family, layout, f"{gap:.2e}")
+        assert gap > 1e-2, (family, layout, gap)
 
 
 # -- TRL's vision SFT format ------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from .check_parts import close, dispatch_device, on_device, random_module, rotar
 from .lightning import lightning_forward
 from .mamba2 import run_decay, step_sizes
 from .positional_dsa_checks import positional_attention_ok, positional_indexer_ok
+from .qsa_checks import qsa_attention_ok, qsa_indexer_ok
 from .rg_lru import recurrent_block_forward
 from .runs import shard_runs
 from .selective_scan import discretised_steps, state_output
@@ -254,6 +255,8 @@ _MODULE_CHECKS: dict[str, Callable[[type, Callable], bool]] = {
     "Dots3NoteTextIndexer": _dsa_indexer_ok,
     "MistralLarge4TextAttention": positional_attention_ok,  # positions, NoPE, shared top-k: positional_dsa_checks
     "MistralLarge4TextIndexer": positional_indexer_ok,
+    "Qwen4ExpTextAttention": qsa_attention_ok,  # qsa_checks.py
+    "Qwen4ExpTextQSAIndexer": qsa_indexer_ok,
     "MiniMaxM3VLIndexer": block_sparse_ok,  # and its attention's hand-over: block_checks.py
     "MiniMaxLightningAttention": _lightning_ok,
     "RecurrentGemmaRecurrentBlock": _recurrent_block_ok,

@@ -1,5 +1,6 @@
 """The swapped entries of the top-k sparse attentions (``mixers.swap``'s ``MODULE_ENTRIES``): DeepSeek sparse attention
-(``attention/dsa.py``) and MiniMax-M3's block-sparse attention (``attention/block_sparse.py``).
+(``attention/dsa.py``), MiniMax-M3's block-sparse attention (``attention/block_sparse.py``) and Qwen4-Exp's
+query-sparse attention (``attention/qsa.py``).
 
 Each runs transformers' own forward outside an SP forward, the SP version inside one, and raises inside one when SP's
 document bounds did not reach it (``documents.refuse_without_documents``).
@@ -13,7 +14,8 @@ from collections.abc import Callable
 import torch
 
 from ..attention.block_sparse import m3_projection, sp_block_topk
-from ..attention.dsa import POSITIONAL_PROJECTIONS, PROJECTIONS, placeholder_mask, sp_index_topk
+from ..attention.dsa import INDICES_KWARG, POSITIONAL_PROJECTIONS, PROJECTIONS, placeholder_mask, sp_index_topk
+from ..attention.qsa import qsa_projection, sp_qsa_select
 from ..documents import (
     BOUNDS_KWARG,
     SP_KWARG,
@@ -150,5 +152,50 @@ def block_indexer_entry(original: Callable) -> Callable:
         with torch.no_grad():
             projected = m3_projection(self, hidden_states, position_embeddings)
         return sp_block_topk(self, projected, bounds, topology.sp_group, topology.sp_rank)
+
+    return forward
+
+
+def qsa_attention_entry(original: Callable) -> Callable:
+    """Qwen4-Exp's sparse attention (``Qwen4ExpTextAttention``): under SP it selects first (``attention.qsa``), then
+    runs its installed forward with a one-element mask (its swapped indexer returns one) and the selection as
+    ``indices=`` for SP's attention; transformers' own otherwise."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+        sp = selection_sp(kwargs, type(self).__name__)
+        if sp is None:
+            return original(
+                self, hidden_states=hidden_states, position_embeddings=position_embeddings,
+                attention_mask=attention_mask, cache=cache, **kwargs,
+            )  # fmt: skip
+        if cache is not None:
+            raise ValueError(f"{type(self).__name__} under sequence parallelism runs without a cache.")
+        (bounds, topology), indexer = sp, self.indexer
+        with torch.no_grad():
+            projected = qsa_projection(indexer, hidden_states, position_embeddings)
+            picks = sp_qsa_select(indexer, projected, position_embeddings, bounds, topology.sp_group, topology.sp_rank)
+        one = torch.ones((), dtype=torch.bool, device=hidden_states.device)
+        scope = (*current_scope(), {k: kwargs[k] for k in (BOUNDS_KWARG, SP_KWARG)})  # its indexer reads it
+        return run_in_scope(
+            scope, original, self, hidden_states=hidden_states, position_embeddings=position_embeddings,
+            attention_mask=one, cache=None, **kwargs, **{INDICES_KWARG: picks},
+        )  # fmt: skip
+
+    return forward
+
+
+def qsa_indexer_entry(original: Callable) -> Callable:
+    """Qwen4-Exp's indexer (``Qwen4ExpTextQSAIndexer``), called by its attention: under SP a one-element mask (its
+    attention selected already, ``qsa_attention_entry``); transformers' own otherwise."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None):
+        if selection_sp({}, type(self).__name__) is None:
+            return original(
+                self, hidden_states=hidden_states, position_embeddings=position_embeddings,
+                attention_mask=attention_mask, cache=cache,
+            )  # fmt: skip
+        return torch.ones((), dtype=torch.bool, device=hidden_states.device)
 
     return forward

@@ -44,7 +44,14 @@ from .lightning import lightning_forward
 from .mamba2 import sp_mamba2_chunk_scan
 from .rg_lru import recurrent_block_forward, sp_rnn_scan
 from .runs import shard_runs
-from .selection import block_indexer_entry, dsa_attention_entry, dsa_indexer_entry, positional_indexer_entry
+from .selection import (
+    block_indexer_entry,
+    dsa_attention_entry,
+    dsa_indexer_entry,
+    positional_indexer_entry,
+    qsa_attention_entry,
+    qsa_indexer_entry,
+)
 from .selective_scan import sp_selective_scan
 from .varlen_checks import seq_idx_capable, varlen_capable
 
@@ -298,6 +305,10 @@ MODULE_ENTRIES: dict[str, tuple[str, Callable[[Callable], Callable], str]] = {
     "Dots3NoteTextIndexer": ("forward", dsa_indexer_entry, "DSA's top-k over the whole sequence's keys under SP"),
     "MistralLarge4TextAttention": ("forward", dsa_attention_entry, "DSA's attention, its indexer given SP's documents"),
     "MistralLarge4TextIndexer": ("forward", positional_indexer_entry, "DSA's top-k (document positions) under SP"),
+    "HYV4Attention": ("forward", dsa_attention_entry, "DSA's attention, its indexer given SP's documents"),
+    "HYV4Indexer": ("forward", dsa_indexer_entry, "DSA's top-k over the whole sequence's keys under SP"),
+    "Qwen4ExpTextAttention": ("forward", qsa_attention_entry, "Qwen4-Exp's attention, selecting over the sequence"),
+    "Qwen4ExpTextQSAIndexer": ("forward", qsa_indexer_entry, "Qwen4-Exp's indexer (its attention selected)"),
     "MiniMaxM3VLIndexer": ("forward", block_indexer_entry, "MiniMax-M3's block top-k over the whole sequence"),
 }
 assert set(MODULE_ENTRIES) == set(SP_MODULES), "detect.SP_MODULES must name exactly the swapped classes"

@@ -50,14 +50,14 @@ SP_KERNELS = (
 )
 # Attention classes that build their own mask (a learned sparse top-k) whose forward hf_sp_trainer.mixers.swap
 # replaces with an exact SP version (checked against the installed one): DeepSeek-V3.2's sparse attention (DSA).
-# (HY-V4's DSA passes its checks and its loss is bitwise equal at sp 2, but its final hyper-head's gradients differ
-# by 2e-5 relative, above the 1e-5 bar: not swapped until that is understood.)
 SP_ATTENTIONS = (
     "DeepseekV32Attention",
     "GlmMoeDsaAttention",
     "AXK2Attention",
     "Dots3NoteTextAttention",
     "MistralLarge4TextAttention",  # queries scaled by document position; NoPE and shared layers
+    "HYV4Attention",  # its per-head sinks; shared layers reuse the full layer's top-k
+    "Qwen4ExpTextAttention",  # query-sparse: top blocks of pooled keys plus its own block's tail (attention/qsa.py)
 )
 SP_INDEXERS = (
     "DeepseekV32Indexer",
@@ -65,6 +65,8 @@ SP_INDEXERS = (
     "AXK2Indexer",
     "Dots3NoteTextIndexer",
     "MistralLarge4TextIndexer",
+    "HYV4Indexer",
+    "Qwen4ExpTextQSAIndexer",
 )  # their indexers, swapped with them
 # Attentions with a top-k selection whose forward runs as installed (it hands the selection to SP's attention as a
 # kwarg) and whose indexer is swapped: MiniMax-M3's block-sparse attention (``attention/block_sparse.py``).

@@ -61,6 +61,7 @@ VERIFIED = frozenset(
         "Kimi_K25Model",  # 1-D positions, a DeepSeek-V3 decoder (MLA, MoE); videos pooled per chunk of frames
         "Dots3NoteModel",  # 1-D positions; DSA + sliding-window MLA (Ulysses only: DSA refuses a ring); no audio
         "MistralLarge4Model",  # Pixtral's images; DSA with position-scaled queries, NoPE and shared layers (Ulysses)
+        "MiniMaxM3VLModel",  # 1-D positions, images / videos through one tower; block-sparse selection (Ulysses)
         *IMAGE_BLOCK_MODELS,  # Gemma3; Gemma4 (per-layer head sizes, per-layer embeddings, shared kv; no audio)
     }
 )
