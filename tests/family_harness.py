@@ -114,8 +114,15 @@ FAMILY_EXTRA = {
     "hy_v4": {"index_n_heads": 16, "indexer_types": ["full", "shared"] * 2},  # shared: the full one's top-k
     "glm_moe_dsa": {"index_n_heads": 16, "indexer_types": ["full", "shared"] * 2},  # shared: the full one's top-k
     "qwen4_exp_text": dict(  # top-2 blocks of 4 tokens (16 indexer heads: no exact zero-score ties, as for DSA)
-        indexer_n_heads=16, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4
-    ),  # fmt: skip
+        indexer_n_heads=16,
+        indexer_kv_heads=1,
+        indexer_head_dim=16,
+        indexer_budget=8,
+        indexer_compress_ratio=4,
+        ple_layer_ids=[1, 3],  # PLE layers, as its released configs: hashed n-grams of earlier ids, a dilated conv
+        ngram_vocab_size_base=64,  # small hashed tables (the default: millions of rows)
+        eos_token_id=2,  # restarts the n-gram history
+    ),
 }
 
 # ``None`` in these means "derive it" (not "no such feature"): some families don't, so they are set too.

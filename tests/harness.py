@@ -51,7 +51,7 @@ HYBRID_FAMILIES = {
     "jamba": "JambaConfig",  # Mamba1 (selective scan, called without **kwargs) and attention, MoE with router loss
     "mamba": "MambaConfig",  # pure Mamba1: its model passes its layers no kwargs at all
     "recurrent_gemma": "RecurrentGemmaConfig",  # RG-LRU (conv + diagonal recurrence) and local attention
-    "qwen4_exp": "Qwen4ExpTextConfig",  # Gated DeltaNet and query-sparse attention (top-2 blocks of 4), MoE router loss
+    "qwen4_exp": "Qwen4ExpTextConfig",  # Gated DeltaNet + PLE, query-sparse attention (top-2 blocks of 4), MoE
 }
 PURE_SSM = {"mamba2", "mamba"}  # no attention: eager (no sdpa to set)
 # Families whose transformers forward of a position_ids-packed row differs from each document alone (hybrid layers'
@@ -93,6 +93,8 @@ FAMILY_OVERRIDES = {
         indexer_head_dim=16,
         indexer_budget=8,
         indexer_compress_ratio=4,
+        ple_layer_ids=[1],  # a PLE layer: hashed n-grams of earlier ids and a dilated conv (its released configs)
+        ngram_vocab_size_base=64,
     ),  # fmt: skip
     # its window (12) under the rows; its conv across packed documents in transformers' own forward
     "recurrent_gemma": dict(lru_width=64, block_types=["recurrent", "attention"], attention_window_size=12),

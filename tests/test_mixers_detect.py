@@ -36,20 +36,29 @@ EXACT = {
 }
 
 
-def test_an_ngram_embedding_of_previous_tokens_is_refused() -> None:
-    """Qwen4-Exp's per-layer embeddings hash the previous tokens' ids (its released configs set ``ple_layer_ids``; the
-    tiny default has none): under SP each shard's first tokens would hash the wrong history, so it is named."""
+def test_qwen4_exp_ngram_embeddings_covered_another_named() -> None:
+    """Qwen4-Exp's per-layer embeddings (its released configs set ``ple_layer_ids``) hash the previous tokens' ids
+    and convolve over the sequence: SP runs its PLE layers exactly (``mixers/token_history.py``), so nothing is
+    named; an n-gram embedding in a layer SP doesn't know is named, with its conv."""
     import transformers
 
+    from hf_sp_trainer.model.mixers import covered_mixers
     from tests.family_harness import tiny_config
 
     config = tiny_config("qwen4_exp_text")
     config.ple_layer_ids, config.ngram_vocab_size_base = [1], 64  # a small hashed vocabulary (the default: millions)
+    config.eos_token_id = 2
     torch.manual_seed(0)
     model = transformers.Qwen4ExpForCausalLM(config)
-    assert any("NGram" in type(m).__name__ for m in model.modules())
-    names = [(where, cls) for where, cls, what in sequence_mixers(model) if "previous tokens' ids" in what]
-    assert names == [("model.layers.0.ple.ple_embedding", "Qwen4ExpTextNGramEmbedding")], names
+    assert "model.layers.0.ple" in covered_mixers(model) and sequence_mixers(model) == []
+    ple = model.model.layers[0].ple
+    ple.__class__ = type("OtherPLELayer", (type(ple),), {})
+    ple.ple_embedding.__class__ = type("OtherNGramEmbedding", (type(ple.ple_embedding),), {})
+    names = [(where, what) for where, _, what in sequence_mixers(model)]
+    assert (
+        "model.layers.0.ple.ple_embedding",
+        "an embedding of the previous tokens' ids (a shard's first tokens lack theirs)",
+    ) in names and ("model.layers.0.ple.conv1d", "a convolution over the sequence") in names
 
 
 @pytest.mark.parametrize("model_type", list(REFUSED))
@@ -128,7 +137,8 @@ COVERED = {  # hybrid models whose mixers SP runs exactly (hf_sp_trainer.mixers.
     "zamba": ("ZambaForCausalLM", "ZambaMambaMixer"),  # Mamba1 heads, each its own scan
     "recurrent_gemma": ("RecurrentGemmaForCausalLM", "RecurrentGemmaRecurrentBlock"),  # its conv and RG-LRU scan
     "minimax": ("MiniMaxForCausalLM", "MiniMaxLightningAttention"),  # no kernel function: its forward is swapped
-    "qwen4_exp_text": ("Qwen4ExpForCausalLM", "Qwen4ExpTextGatedDeltaNet"),  # and query-sparse attention (qsa.py)
+    # Gated DeltaNet and PLE layers (hashed n-grams, a dilated conv: token_history.py); query-sparse attention
+    "qwen4_exp_text": ("Qwen4ExpForCausalLM", ("Qwen4ExpTextGatedDeltaNet", "Qwen4ExpTextPLELayer")),
 }
 
 
@@ -137,7 +147,8 @@ def test_covered_hybrid_mixers_pass(model_type: str) -> None:
     class_name, mixer = COVERED[model_type]
     model = build_model(model_type, class_name)
     covered = covered_mixers(model)
-    assert covered and all(type(model.get_submodule(c)).__name__ == mixer for c in covered)
+    names = mixer if isinstance(mixer, tuple) else (mixer,)
+    assert covered and {type(model.get_submodule(c)).__name__ for c in covered} == set(names)
     assert sequence_mixers(model) == []
     validate_model_for_sp(model, 2)
 

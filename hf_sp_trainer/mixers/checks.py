@@ -22,6 +22,7 @@ from .block_checks import block_sparse_ok
 from .check_parts import close, dispatch_device, on_device, random_module, rotary_embedding
 from .lightning import lightning_forward
 from .mamba2 import run_decay, step_sizes
+from .ple_checks import ngram_ok, ple_conv_ok
 from .positional_dsa_checks import positional_attention_ok, positional_indexer_ok
 from .qsa_checks import qsa_attention_ok, qsa_indexer_ok
 from .rg_lru import recurrent_block_forward
@@ -257,6 +258,8 @@ _MODULE_CHECKS: dict[str, Callable[[type, Callable], bool]] = {
     "MistralLarge4TextIndexer": positional_indexer_ok,
     "Qwen4ExpTextAttention": qsa_attention_ok,  # qsa_checks.py
     "Qwen4ExpTextQSAIndexer": qsa_indexer_ok,
+    "Qwen4ExpTextNGramEmbedding": ngram_ok,  # ple_checks.py
+    "Qwen4ExpTextPLELayer": ple_conv_ok,
     "MiniMaxM3VLIndexer": block_sparse_ok,  # and its attention's hand-over: block_checks.py
     "MiniMaxLightningAttention": _lightning_ok,
     "RecurrentGemmaRecurrentBlock": _recurrent_block_ok,

@@ -53,6 +53,7 @@ from .selection import (
     qsa_indexer_entry,
 )
 from .selective_scan import sp_selective_scan
+from .token_history import document_ngrams, sp_dilated_conv, whole_ids
 from .varlen_checks import seq_idx_capable, varlen_capable
 
 STATE_PASSING = ("gather", "relay")  # linear_state.py (the default) and relay.py (a debugging aid)
@@ -232,6 +233,38 @@ def _lightning_entry(original: Callable) -> Callable:
     return forward
 
 
+def _ngram_entry(original: Callable) -> Callable:
+    """Qwen4-Exp's n-gram embedding (``Qwen4ExpTextNGramEmbedding``): under SP each document's own history."""
+
+    @functools.wraps(original)
+    def forward(self, input_ids, cache=None):
+        bounds, ctx = _sp_call({}, original.__qualname__)
+        if ctx is None:
+            return original(self, input_ids=input_ids, cache=cache)
+        if cache is not None:
+            raise ValueError("Qwen4-Exp's n-gram embedding under sequence parallelism runs without a cache.")
+        runs = ctx.runs(bounds, input_ids.shape[0])
+        return document_ngrams(original, self, whole_ids(input_ids, runs, ctx.group), runs)
+
+    return forward
+
+
+def _ple_conv_entry(original: Callable) -> Callable:
+    """Qwen4-Exp's PLE conv (``Qwen4ExpTextPLELayer._short_conv``): under SP a causal conv with its halo."""
+
+    @functools.wraps(original)
+    def _short_conv(self, hidden_states, cache=None):
+        bounds, ctx = _sp_call({}, original.__qualname__)
+        if ctx is None:
+            return original(self, hidden_states, cache)
+        if cache is not None:
+            raise ValueError("Qwen4-Exp's PLE conv under sequence parallelism runs without a cache.")
+        with recompute_region():
+            return sp_dilated_conv(hidden_states, self.conv1d, ctx.runs(bounds, hidden_states.shape[0]), ctx.group)
+
+    return _short_conv
+
+
 def _recurrent_block_entry(original: Callable) -> Callable:
     """RecurrentGemma's recurrent block: its conv as SP's causal conv, its RG-LRU run with the block's SP kwargs as
     the innermost scope (the layer calls it without them), so its swapped scan carries the state."""
@@ -309,6 +342,8 @@ MODULE_ENTRIES: dict[str, tuple[str, Callable[[Callable], Callable], str]] = {
     "HYV4Indexer": ("forward", dsa_indexer_entry, "DSA's top-k over the whole sequence's keys under SP"),
     "Qwen4ExpTextAttention": ("forward", qsa_attention_entry, "Qwen4-Exp's attention, selecting over the sequence"),
     "Qwen4ExpTextQSAIndexer": ("forward", qsa_indexer_entry, "Qwen4-Exp's indexer (its attention selected)"),
+    "Qwen4ExpTextNGramEmbedding": ("forward", _ngram_entry, "hashed n-grams of each document's own earlier ids"),
+    "Qwen4ExpTextPLELayer": ("_short_conv", _ple_conv_entry, "the exact SP dilated conv of Qwen4-Exp's PLE layers"),
     "MiniMaxM3VLIndexer": ("forward", block_indexer_entry, "MiniMax-M3's block top-k over the whole sequence"),
 }
 assert set(MODULE_ENTRIES) == set(SP_MODULES), "detect.SP_MODULES must name exactly the swapped classes"

@@ -76,7 +76,11 @@ SELECTING_ATTENTIONS = (*SP_ATTENTIONS, *SP_BLOCK_ATTENTIONS)  # exact under Uly
 # Mixer classes with no kernel function to hook, a method of which hf_sp_trainer.mixers.swap replaces with an exact SP
 # version (checked against the installed one): MiniMax's lightning attention; RecurrentGemma's recurrent block (its
 # conv) and RG-LRU (its scan).
+# Qwen4-Exp's per-layer embeddings (hashed n-grams of earlier token ids, a dilated conv): the layer is covered, its
+# n-gram embedding's forward and its conv (``_short_conv``) swapped (``mixers/token_history.py``).
+SP_TOKEN_HISTORY = ("Qwen4ExpTextPLELayer", "Qwen4ExpTextNGramEmbedding")
 SP_MODULES = (
+    *SP_TOKEN_HISTORY,
     "MiniMaxLightningAttention",
     "RecurrentGemmaRecurrentBlock",
     "RecurrentGemmaRglru",
@@ -181,6 +185,9 @@ def covered_mixers(model: torch.nn.Module) -> set[str]:
     through ``SP_KERNELS`` (never calling a convolution module of their own), and those of ``SP_MODULES``."""
     covered = set()
     for name, module in model.named_modules():
+        if type(module).__name__ in SP_TOKEN_HISTORY and not any(name.startswith(f"{c}.") for c in covered):
+            covered.add(name)  # not a mixer class by name: a PLE layer (and what it holds)
+            continue
         if not _is_mixer_class(model, type(module)) or any(name.startswith(f"{c}.") for c in covered):
             continue
         if type(module).__name__ in SP_MODULES:
