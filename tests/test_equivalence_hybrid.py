@@ -126,7 +126,9 @@ def _sp1_run(family: str, collator, sp_trainer: bool, out_dir: str) -> dict:
     return {"losses": losses, "params": torch.cat([p.detach().flatten() for p in model.parameters()])}
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "minimax", "mamba2", "jamba", "mamba", "recurrent_gemma"])
+@pytest.mark.parametrize(
+    "family", ["qwen3_5", "lfm2", "minimax", "mamba2", "jamba", "mamba", "recurrent_gemma", "qwen4_exp"]
+)
 def test_sp_size_1_keeps_packed_documents_apart(family, tmp_path):
     """SPTrainer(sp_size=1) on position_ids-packed rows trains like plain Trainer on one document per row; plain
     Trainer on the same packed rows does not (transformers' hybrid layers leak across documents). Mamba2ForCausalLM
