@@ -11,6 +11,9 @@ tests can't run.
   document per row (one device decides per row);
 - deepseek_v32_dsa: DeepSeek sparse attention, its indexer's top-k (64; 8 dry) under every document (SP's
   ``attention/dsa.py``: the selected keys through sdpa with a boolean mask, in query tiles).
+- qwen4_exp_qsa: Qwen4-Exp's query-sparse attention, a budget of 64 tokens (8 dry) in blocks of 4 under every
+  document (``attention/qsa.py``), beside a Gated DeltaNet layer with a PLE layer (hashed n-grams, a dilated conv:
+  ``mixers/token_history.py``).
 
 sp 1 runs on one rank; sp 2 is two processes sharing the one GPU over gloo, Ulysses.
 
@@ -49,6 +52,15 @@ def _model(case: str, dry: bool, device: torch.device, dtype: torch.dtype):
             index_n_heads=16, index_head_dim=32, index_topk=8 if dry else 64,
         )  # fmt: skip
         cls = transformers.DeepseekV32ForCausalLM
+    elif case == "qwen4_exp_qsa":  # 16 indexer heads: no exact zero-score ties at the k-th block
+        gdn = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32)
+        config = transformers.Qwen4ExpTextConfig(
+            **small, **gdn, num_hidden_layers=2, layer_types=["linear_attention", "indexed_attention"],
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, indexer_n_heads=16, indexer_kv_heads=1,
+            indexer_head_dim=32, indexer_budget=8 if dry else 64, indexer_compress_ratio=4, ple_layer_ids=[1],
+            ngram_vocab_size_base=64,
+        )  # fmt: skip
+        cls = transformers.Qwen4ExpForCausalLM
     else:
         threshold = 24 if dry else 1024
         short, long = [1.0 + i / 16 for i in range(16)], [2.0 + i / 8 for i in range(16)]
@@ -64,7 +76,7 @@ def _model(case: str, dry: bool, device: torch.device, dtype: torch.dtype):
 
 def _rows(case: str, dry: bool) -> list[list[int]]:
     """Document lengths per row: Llama-4 one packed row; longrope one document per row, past the threshold."""
-    if case in ("llama4", "deepseek_v32_dsa"):
+    if case in ("llama4", "deepseek_v32_dsa", "qwen4_exp_qsa"):
         return [[40, 13, 60]] if dry else [[700, 150, 1200]]
     return [[40]] if dry else [[1800]]
 
@@ -132,7 +144,7 @@ def _worker(rank: int, world: int, port: int, device: str, dry: bool, out_path: 
 
     dev = start_rank(rank, world, port, device)
     out: dict[str, Any] = {}
-    for case in ("llama4", "phi3_longrope", "deepseek_v32_dsa"):
+    for case in ("llama4", "phi3_longrope", "deepseek_v32_dsa", "qwen4_exp_qsa"):
         for dtype in [torch.float32, torch.bfloat16] if dev.type == "cuda" else [torch.float32]:
             name = f"{case}_sp{world}_{str(dtype).removeprefix('torch.')}"
             try:
