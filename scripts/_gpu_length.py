@@ -14,6 +14,8 @@ tests can't run.
 - qwen4_exp_qsa: Qwen4-Exp's query-sparse attention, a budget of 64 tokens (8 dry) in blocks of 4 under every
   document (``attention/qsa.py``), beside a Gated DeltaNet layer with a PLE layer (hashed n-grams, a dilated conv:
   ``mixers/token_history.py``).
+- deepseek_v4: DeepSeek-V4's window (64; 7 dry) and compressed entries (CSA every 4 tokens with the top 16, HCA every
+  32; 2 / 4 / 8 dry) under every document (``attention/deepseek_v4.py``: context-parallel, all heads per rank).
 
 sp 1 runs on one rank; sp 2 is two processes sharing the one GPU over gloo, Ulysses.
 
@@ -61,6 +63,16 @@ def _model(case: str, dry: bool, device: torch.device, dtype: torch.dtype):
             ngram_vocab_size_base=64,
         )  # fmt: skip
         cls = transformers.Qwen4ExpForCausalLM
+    elif case == "deepseek_v4":  # eager only (its sinks); 16 indexer heads
+        rates = {"compressed_sparse_attention": 2 if dry else 4, "heavily_compressed_attention": 8 if dry else 32}
+        config = transformers.DeepseekV4Config(
+            **{**small, "num_key_value_heads": 1}, num_hidden_layers=2, qk_rope_head_dim=16, q_lora_rank=64,
+            o_groups=2, o_lora_rank=32, sliding_window=7 if dry else 64, compress_rates=rates,
+            layer_types=["compressed_sparse_attention", "heavily_compressed_attention"], mlp_layer_types=["moe"] * 2,
+            index_n_heads=16, index_head_dim=32, index_topk=4 if dry else 16, num_local_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=64,
+        )  # fmt: skip
+        cls = transformers.DeepseekV4ForCausalLM
     else:
         threshold = 24 if dry else 1024
         short, long = [1.0 + i / 16 for i in range(16)], [2.0 + i / 8 for i in range(16)]
@@ -71,12 +83,13 @@ def _model(case: str, dry: bool, device: torch.device, dtype: torch.dtype):
         )
         cls = transformers.Phi3ForCausalLM
     torch.manual_seed(0)
-    return cls._from_config(config, attn_implementation="sdpa", dtype=dtype).to(device).train()
+    attn = "eager" if case == "deepseek_v4" else "sdpa"
+    return cls._from_config(config, attn_implementation=attn, dtype=dtype).to(device).train()
 
 
 def _rows(case: str, dry: bool) -> list[list[int]]:
     """Document lengths per row: Llama-4 one packed row; longrope one document per row, past the threshold."""
-    if case in ("llama4", "deepseek_v32_dsa", "qwen4_exp_qsa"):
+    if case in ("llama4", "deepseek_v32_dsa", "qwen4_exp_qsa", "deepseek_v4"):
         return [[40, 13, 60]] if dry else [[700, 150, 1200]]
     return [[40]] if dry else [[1800]]
 
@@ -144,7 +157,7 @@ def _worker(rank: int, world: int, port: int, device: str, dry: bool, out_path: 
 
     dev = start_rank(rank, world, port, device)
     out: dict[str, Any] = {}
-    for case in ("llama4", "phi3_longrope", "deepseek_v32_dsa", "qwen4_exp_qsa"):
+    for case in ("llama4", "phi3_longrope", "deepseek_v32_dsa", "qwen4_exp_qsa", "deepseek_v4"):
         for dtype in [torch.float32, torch.bfloat16] if dev.type == "cuda" else [torch.float32]:
             name = f"{case}_sp{world}_{str(dtype).removeprefix('torch.')}"
             try:

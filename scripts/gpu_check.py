@@ -20,7 +20,8 @@ f_vlm: a whole VLM step (Qwen2-VL-shaped, a packed row of three documents with i
 gradient, the vision tower's included; and one long multimodal row's peak memory per rank (``_gpu_vlm.py``).
 g_length: settings that switch on with length under SP on the GPU's kernel (torch varlen): Llama-4's chunked
 attention and NoPE temperature, longrope's switch, DeepSeek-V3.2's sparse-attention top-k (sdpa, a boolean mask),
-Qwen4-Exp's query-sparse budget with a PLE layer, at sp 1 and sp 2 vs each document alone (``_gpu_length.py``).
+Qwen4-Exp's query-sparse budget with a PLE layer, DeepSeek-V4's window and compressed entries, at sp 1 and sp 2 vs
+each document alone (``_gpu_length.py``).
 h_auto: ``checkpoint_policy="auto"`` with a budget halfway between full and sequence-aware checkpointing, a
 Llama-3.1-8B-shaped 4-layer stack at 64K tokens: peak, step time and kept layers of each policy (``_gpu_auto.py``).
 i_varlen: one Gated DeltaNet layer (Qwen3.5's shape, bf16) of SP's delta rule on a 32K row of 1, 16 and 128 documents,

@@ -113,6 +113,11 @@ FAMILY_EXTRA = {
     "dots3_note_text": {"index_n_heads": 16},
     "hy_v4": {"index_n_heads": 16, "indexer_types": ["full", "shared"] * 2},  # shared: the full one's top-k
     "glm_moe_dsa": {"index_n_heads": 16, "indexer_types": ["full", "shared"] * 2},  # shared: the full one's top-k
+    # DeepSeek-V4: CSA every 2 tokens (its top-k then binds), HCA every 8 (its 128 never closes a window here)
+    "deepseek_v4": {
+        "index_n_heads": 16,
+        "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 8},
+    },
     "qwen4_exp_text": dict(  # top-2 blocks of 4 tokens (16 indexer heads: no exact zero-score ties, as for DSA)
         indexer_n_heads=16,
         indexer_kv_heads=1,
@@ -124,6 +129,11 @@ FAMILY_EXTRA = {
         eos_token_id=2,  # restarts the n-gram history
     ),
 }
+
+# Families checked wholly in float64 (their pinned fp32 islands too: ``float64_check.Float32AsFloat64``), where fp32
+# round-off alone exceeds ``EXACT``: DeepSeek-V4's hyper-head gradients are sums over tokens with cancellation (its
+# fp32 SP gap, 1.7e-5 to 2.2e-5, is the fp32 one-process run's own distance from float64: test_deepseek_v4.py)
+FLOAT64 = {"deepseek_v4"}
 
 # ``None`` in these means "derive it" (not "no such feature"): some families don't, so they are set too.
 DERIVED = {"head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_experts", "moe_intermediate_size"}
@@ -286,12 +296,19 @@ def _shrinkable(old, new) -> bool:
     return isinstance(old, (int, float))
 
 
-def build_model(model_type: str, class_name: str, seed: int = 0, router_logits: bool = True, crossed: bool = False):
-    """A tiny random-init fp32 model: sdpa if the family supports it, else eager; every weight perturbed so that no
-    zero-initialised projection hides a difference; in eval mode, so that no random draw differs between the runs
-    (gradients are computed all the same). ``crossed``: with its length-dependent settings brought under the test
-    rows (``length_crossing.cross_config``; the same weights), the settings in ``model.crossed_settings`` (empty:
-    nothing to cross, the model is the default one)."""
+def build_model(
+    model_type: str,
+    class_name: str,
+    seed: int = 0,
+    router_logits: bool = True,
+    crossed: bool = False,
+    float64: bool | None = None,
+):
+    """A tiny random-init fp32 model (float64 for ``FLOAT64`` families, or as ``float64`` says): sdpa if the family
+    supports it, else eager; every weight perturbed so that no zero-initialised projection hides a difference; in
+    eval mode, so that no random draw differs between the runs (gradients are computed all the same). ``crossed``:
+    with its length-dependent settings brought under the test rows (``length_crossing.cross_config``; the same
+    weights), the settings in ``model.crossed_settings`` (empty: nothing to cross, the model is the default one)."""
     import transformers
 
     model_cls = getattr(transformers, class_name)
@@ -319,8 +336,25 @@ def build_model(model_type: str, class_name: str, seed: int = 0, router_logits: 
                     raise
                 continue
             crossed_model.crossed_settings = settings
-            return crossed_model
-    return model
+            return _widened(crossed_model, model_type in FLOAT64 if float64 is None else float64)
+    return _widened(model, model_type in FLOAT64 if float64 is None else float64)
+
+
+def _widened(model, float64: bool):
+    if not float64:
+        return model
+    model.set_experts_implementation("eager")  # torch's grouped_mm takes no float64
+    return model.double()
+
+
+def float64_scope(model):
+    """Run a float64 model's own fp32 islands in float64 too (``Float32AsFloat64``); nothing for any other model."""
+    import contextlib
+
+    from tests.float64_check import Float32AsFloat64
+
+    floating = next((p for p in model.parameters() if p.is_floating_point()), None)
+    return Float32AsFloat64() if floating is not None and floating.dtype == torch.float64 else contextlib.nullcontext()
 
 
 def _instantiate(model_cls, config, attn: str, seed: int):
@@ -466,7 +500,8 @@ def check_family(
         extra["acts"] = prepared["acts"]
     try:
         sp = apply_sequence_parallel(model, sp_size, ring_size=ring_size)
-        worst = max(compare(ref, _sp_run(model, sp, docs)) for ref, docs in zip(refs, rows, strict=True))
+        with float64_scope(model):
+            worst = max(compare(ref, _sp_run(model, sp, docs)) for ref, docs in zip(refs, rows, strict=True))
     except ValueError as exc:
         return {"status": "refused", "detail": _first_line(exc), **extra}
     except Exception as exc:  # noqa: BLE001 - a crash, or a hang the gloo timeout turned into an error
@@ -499,12 +534,14 @@ def references(model, model_type: str, class_name: str, rows, seed: int, router_
     ``error``, the reference run's failure."""
     try:
         reference = copy.deepcopy(model)
-        out = {"refs": [_reference(reference, docs) for docs in rows]}
+        with float64_scope(reference):
+            out = {"refs": [_reference(reference, docs) for docs in rows]}
         if crossed:  # the default model's own reference: does crossing change anything at all?
             default = build_model(model_type, class_name, seed, router_logits)
-            out["acts"] = max(
-                compare(ref, _reference(default, docs))[0] for ref, docs in zip(out["refs"], rows, strict=True)
-            )
+            with float64_scope(default):
+                out["acts"] = max(
+                    compare(ref, _reference(default, docs))[0] for ref, docs in zip(out["refs"], rows, strict=True)
+                )
     except Exception as exc:  # noqa: BLE001 - the family doesn't run even without SP
         return {"error": f"reference run: {_first_line(exc)}"}
     return out

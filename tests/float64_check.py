@@ -7,7 +7,6 @@ parameters); ``Float32AsFloat64`` runs them in float64 too, as a torch function 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import datetime
 
@@ -32,7 +31,8 @@ class Float32AsFloat64(TorchFunctionMode):
 
 def float64_errors(model_type: str, class_name: str, crossed: bool) -> dict[str, float]:
     """On every rank of a new default group: the family's worst relative error (``family_harness.worst_error``) at
-    sp = the world size against each document alone, in fp32 (``fp32``) and wholly in float64 (``fp64``)."""
+    sp = the world size against each document alone, in fp32 (``fp32``) and wholly in float64 (``fp64``), and the fp32
+    one-process run's own against the float64 one (``fp32_reference``)."""
     import torch.distributed as dist
     from transformers.utils import logging
 
@@ -41,20 +41,19 @@ def float64_errors(model_type: str, class_name: str, crossed: bool) -> dict[str,
 
     logging.set_verbosity_error()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=fh.COLLECTIVE_TIMEOUT_S))
-    errors = {}
+    errors, refs = {}, {}
     for name in ("fp32", "fp64"):
-        model = fh.build_model(model_type, class_name, crossed=crossed)
-        if name == "fp64":
-            model.set_experts_implementation("eager")  # torch's grouped_mm takes no float64
-            model = model.double()
+        model = fh.build_model(model_type, class_name, crossed=crossed, float64=name == "fp64")
         reference = copy.deepcopy(model)
         sp = apply_sequence_parallel(model, dist.get_world_size())  # its behaviour checks in their own dtypes
         rows = fh._rows(0)
-        with Float32AsFloat64() if name == "fp64" else contextlib.nullcontext():
-            refs = [fh._reference(reference, docs) for docs in rows]
+        with fh.float64_scope(model):
+            refs[name] = [fh._reference(reference, docs) for docs in rows]
             runs = [fh._sp_run(model, sp, docs) for docs in rows]
-        errors[name] = max(fh.compare(ref, run)[0] for ref, run in zip(refs, runs, strict=True))
+        errors[name] = max(fh.compare(ref, run)[0] for ref, run in zip(refs[name], runs, strict=True))
         sp.remove()
+    # how far the fp32 one-process run itself is from float64 (the same weights): fp32 round-off's own size
+    errors["fp32_reference"] = max(fh.compare(r64, r32)[0] for r64, r32 in zip(refs["fp64"], refs["fp32"], strict=True))
     dist.barrier()
     dist.destroy_process_group()
     return errors

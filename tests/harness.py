@@ -38,6 +38,7 @@ MOE_FAMILIES = {  # not dense per-token MLPs (tiled_mlp refuses them)
     "deepseek_v32": "DeepseekV32Config",  # MLA + DSA: an indexer's top-k keys per query (attention.dsa)
     "glm_moe_dsa": "GlmMoeDsaConfig",  # GLM-5: DSA with interleaved indexer RoPE, a layer reusing another's top-k
     "minimax_m3": "MiniMaxM3VLTextConfig",  # block-sparse attention: top-2 blocks of 4 keys per KV group
+    "deepseek_v4": "DeepseekV4Config",  # window 7 + compressed entries (CSA every 2, top 4; HCA every 8), sinks, mHC
 }
 # Hybrid models (their linear / SSM / conv layers run exactly under SP through hf_sp_trainer.mixers). transformers'
 # own single-process forward leaks their state across position_ids-packed documents, so their references train on
@@ -56,7 +57,7 @@ HYBRID_FAMILIES = {
 PURE_SSM = {"mamba2", "mamba"}  # no attention: eager (no sdpa to set)
 # Families whose transformers forward of a position_ids-packed row differs from each document alone (hybrid layers'
 # state leaks; Llama-4's NoPE temperature counts the row index): their references train on right-padded rows.
-PADDED_REFERENCE = {*HYBRID_FAMILIES, "llama4", "minimax_m3"}  # MiniMax-M3: its blocks anchored at row slots
+PADDED_REFERENCE = {*HYBRID_FAMILIES, "llama4", "minimax_m3", "deepseek_v4"}  # M3, V4: blocks / windows at row slots
 # MoE families with the router's load-balancing loss on (a coefficient large enough to matter in every comparison)
 MOE_ROUTER_LOSS = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5),
@@ -76,6 +77,23 @@ MLA = dict(
     n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32, n_group=1, topk_group=1, **MOE,
 )  # fmt: skip
 FAMILY_OVERRIDES = {
+    "deepseek_v4": dict(
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe"],  # its token-id routed layer, then a learned router
+        num_key_value_heads=1,
+        qk_rope_head_dim=8,
+        q_lora_rank=32,
+        o_groups=2,
+        o_lora_rank=16,
+        sliding_window=7,
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 8},
+        index_n_heads=16,
+        index_head_dim=16,
+        index_topk=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    ),  # fmt: skip
     "qwen4_exp": dict(
         layer_types=["linear_attention", "indexed_attention"],
         linear_num_key_heads=2,

@@ -34,6 +34,8 @@ WORLD2 = [
     ),
     # MiniMax-M3: top-2 blocks of 4 keys per KV group (attention/block_sparse.py), with its MoE router loss
     Case("minimax_m3_block_sparse_ga2", family="minimax_m3", grad_accum=2, model_overrides=ROUTER_LOSS, **SGD),
+    # DeepSeek-V4: window + compressed entries (attention/deepseek_v4.py), hash- and learned-routed MoE, mHC
+    Case("deepseek_v4_sgd_ga2", family="deepseek_v4", attn="eager", grad_accum=2, **SGD),
 ]
 WORLD4 = [
     Case("sp4_gpt_oss_sinks_kv_rep", **GPT_OSS, sp_size=4, world_size=4),  # 2 kv heads over 4 ranks
@@ -42,6 +44,7 @@ WORLD4 = [
     Case("sp4_deepseek_v32_dsa", family="deepseek_v32", sp_size=4, world_size=4, **SGD),
     Case("dp2sp2_glm_moe_dsa", family="glm_moe_dsa", sp_size=2, world_size=4, grad_accum=2, **SGD),
     Case("sp4_minimax_m3_block_sparse", family="minimax_m3", sp_size=4, world_size=4, **SGD),  # 2 kv heads, 4 ranks
+    Case("sp4_deepseek_v4", family="deepseek_v4", attn="eager", sp_size=4, world_size=4, **SGD),
 ]
 
 

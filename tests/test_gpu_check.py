@@ -101,7 +101,7 @@ def test_dry_run_report(tmp_path):
     assert vlm["within_tol"] and all(vlm[f"long_row_sp{n}"]["step_s"] > 0 for n in (1, 2))
 
     length = _ok(report, "g_length")  # Llama-4's chunks and temperature, longrope: sp 1 and 2 vs each document alone
-    for case in ("llama4", "phi3_longrope", "deepseek_v32_dsa", "qwen4_exp_qsa"):
+    for case in ("llama4", "phi3_longrope", "deepseek_v32_dsa", "qwen4_exp_qsa", "deepseek_v4"):
         for world in (1, 2):
             rec = length[f"{case}_sp{world}_float32"]
             assert rec.get("worst", 1.0) <= EXACT, (case, world, rec)

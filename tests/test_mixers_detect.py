@@ -33,6 +33,7 @@ EXACT = {
     "mistral_large4_text": "MistralLarge4TextModel",  # DSA, queries scaled by document position (no causal LM)
     "minimax_m3_vl_text": "MiniMaxM3VLForCausalLM",  # block top-k: its indexer swapped (attention/block_sparse.py)
     "hy_v4": "HYV4ForCausalLM",  # DSA with sinks, hyper-connections, shared top-k layers
+    "deepseek_v4": "DeepseekV4ForCausalLM",  # window + compressed entries: its attention's forward swapped
 }
 
 

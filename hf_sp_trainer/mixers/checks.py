@@ -28,6 +28,7 @@ from .qsa_checks import qsa_attention_ok, qsa_indexer_ok
 from .rg_lru import recurrent_block_forward
 from .runs import shard_runs
 from .selective_scan import discretised_steps, state_output
+from .v4_checks import v4_attention_ok
 
 # Kernels whose SP version calls the installed function itself (``core`` / ``scan`` in ``swap``): with
 # flash-linear-attention or mamba-ssm installed, the hub wrapper's dispatch target (the conv's SP version is our own
@@ -260,6 +261,7 @@ _MODULE_CHECKS: dict[str, Callable[[type, Callable], bool]] = {
     "Qwen4ExpTextQSAIndexer": qsa_indexer_ok,
     "Qwen4ExpTextNGramEmbedding": ngram_ok,  # ple_checks.py
     "Qwen4ExpTextPLELayer": ple_conv_ok,
+    "DeepseekV4Attention": v4_attention_ok,  # v4_checks.py
     "MiniMaxM3VLIndexer": block_sparse_ok,  # and its attention's hand-over: block_checks.py
     "MiniMaxLightningAttention": _lightning_ok,
     "RecurrentGemmaRecurrentBlock": _recurrent_block_ok,

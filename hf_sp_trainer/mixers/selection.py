@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from ..attention.block_sparse import m3_projection, sp_block_topk
+from ..attention.deepseek_v4 import v4_attention_forward
 from ..attention.dsa import INDICES_KWARG, POSITIONAL_PROJECTIONS, PROJECTIONS, placeholder_mask, sp_index_topk
 from ..attention.qsa import qsa_projection, sp_qsa_select
 from ..documents import (
@@ -197,5 +198,30 @@ def qsa_indexer_entry(original: Callable) -> Callable:
                 attention_mask=attention_mask, cache=cache,
             )  # fmt: skip
         return torch.ones((), dtype=torch.bool, device=hidden_states.device)
+
+    return forward
+
+
+def v4_attention_entry(original: Callable) -> Callable:
+    """DeepSeek-V4's attention (``DeepseekV4Attention``): under SP ``attention.deepseek_v4``'s forward (its window,
+    its document's compressed entries, the indexer's picks, over the whole sequence); transformers' own otherwise."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, position_embeddings, position_ids, attention_mask=None, cache=None, **kwargs):
+        sp = selection_sp(kwargs, type(self).__name__)
+        if sp is None:
+            return original(
+                self, hidden_states=hidden_states, position_embeddings=position_embeddings, position_ids=position_ids,
+                attention_mask=attention_mask, cache=cache, **kwargs,
+            )  # fmt: skip
+        if cache is not None:
+            raise ValueError(f"{type(self).__name__} under sequence parallelism runs without a cache.")
+        if self.training and self.attention_dropout:
+            raise ValueError("DeepSeek-V4 under sequence parallelism has no attention dropout: set attention_dropout=0")
+        (bounds, topology) = sp
+        out = v4_attention_forward(
+            self, hidden_states, position_embeddings, position_ids, bounds, topology.sp_group, topology.sp_rank
+        )
+        return out, None
 
     return forward

@@ -51,6 +51,7 @@ from .selection import (
     positional_indexer_entry,
     qsa_attention_entry,
     qsa_indexer_entry,
+    v4_attention_entry,
 )
 from .selective_scan import sp_selective_scan
 from .token_history import document_ngrams, sp_dilated_conv, whole_ids
@@ -344,6 +345,7 @@ MODULE_ENTRIES: dict[str, tuple[str, Callable[[Callable], Callable], str]] = {
     "Qwen4ExpTextQSAIndexer": ("forward", qsa_indexer_entry, "Qwen4-Exp's indexer (its attention selected)"),
     "Qwen4ExpTextNGramEmbedding": ("forward", _ngram_entry, "hashed n-grams of each document's own earlier ids"),
     "Qwen4ExpTextPLELayer": ("_short_conv", _ple_conv_entry, "the exact SP dilated conv of Qwen4-Exp's PLE layers"),
+    "DeepseekV4Attention": ("forward", v4_attention_entry, "DeepSeek-V4's window and compressed entries under SP"),
     "MiniMaxM3VLIndexer": ("forward", block_indexer_entry, "MiniMax-M3's block top-k over the whole sequence"),
 }
 assert set(MODULE_ENTRIES) == set(SP_MODULES), "detect.SP_MODULES must name exactly the swapped classes"

@@ -58,6 +58,7 @@ SP_ATTENTIONS = (
     "MistralLarge4TextAttention",  # queries scaled by document position; NoPE and shared layers
     "HYV4Attention",  # its per-head sinks; shared layers reuse the full layer's top-k
     "Qwen4ExpTextAttention",  # query-sparse: top blocks of pooled keys plus its own block's tail (attention/qsa.py)
+    "DeepseekV4Attention",  # window + compressed entries (CSA's picked by its indexer), sinks: attention/deepseek_v4.py
 )
 SP_INDEXERS = (
     "DeepseekV32Indexer",

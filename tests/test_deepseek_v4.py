@@ -1,0 +1,124 @@
+"""DeepSeek-V4's attention under SP (``hf_sp_trainer/attention/deepseek_v4.py``), in process: the behaviour check of
+the swapped forward with negative controls, that its compression and top-k act in the family suite's tiny model, the
+refusal of a ring. Over gloo ranks: its fp32 gap is fp32 round-off (the family suite runs it in float64:
+``family_harness.FLOAT64``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+
+from hf_sp_trainer.attention import deepseek_v4
+from hf_sp_trainer.attention.block_sparse import document_positions
+from hf_sp_trainer.mixers.v4_checks import v4_attention_ok
+from hf_sp_trainer.validate import validate_model_for_sp
+from tests.harness import EXACT
+
+pytestmark = pytest.mark.unit  # in-process
+
+ATTENTION = v4.DeepseekV4Attention
+
+
+def test_check_passes_and_catches_what_it_guards(monkeypatch):
+    """The installed forward passes; windows counted from the row's first token instead of the document's, CSA
+    entries without the previous window's half, the indexer's picks ignored, or the sinks dropped, each fail."""
+    assert v4_attention_ok.__wrapped__(ATTENTION, ATTENTION.forward)
+
+    def row_anchored(bounds, rows, seq, device):
+        docs, _ = document_positions(bounds, rows, seq, device)
+        return docs, torch.arange(seq, device=device).expand(rows, -1)
+
+    select = deepseek_v4._csa_picks
+
+    def no_overlap(at, rate):  # every window as if its document's first: no previous half
+        return torch.zeros_like(at, dtype=torch.bool)
+
+    def every_visible(attn, *args):  # the indexer's top-k out of reach: every complete entry before the query
+        indexer = attn.compressor.indexer
+        with monkeypatch.context() as m:
+            m.setattr(indexer, "index_topk", 10**6)
+            return select(attn, *args)
+
+    def no_sinks(logits, sinks):
+        return logits.softmax(dim=-1)
+
+    for name, broken in [("_windows_positions", row_anchored), ("_has_previous", no_overlap)]:
+        with monkeypatch.context() as m:
+            m.setattr(deepseek_v4, "document_positions" if name == "_windows_positions" else name, broken)
+            assert not v4_attention_ok.__wrapped__(ATTENTION, ATTENTION.forward), name
+    with monkeypatch.context() as m:
+        m.setattr(deepseek_v4, "_csa_picks", every_visible)
+        assert not v4_attention_ok.__wrapped__(ATTENTION, ATTENTION.forward)
+    with monkeypatch.context() as m:
+        m.setattr(deepseek_v4, "_softmax_with_sinks", no_sinks)
+        assert not v4_attention_ok.__wrapped__(ATTENTION, ATTENTION.forward)
+
+
+def test_query_tiles_match_one_tile_with_gradients(monkeypatch):
+    """Tiles of 1 to 3 queries (each recomputed in the backward, indexer scores and attention alike) give one tile's
+    output and every parameter's gradient, for a sliding, a CSA and an HCA layer."""
+    from hf_sp_trainer.mixers.v4_checks import _DOCS, _embeddings, _model
+
+    model = _model(ATTENTION)
+    hidden = torch.randn(1, 29, 32, generator=torch.Generator().manual_seed(2))
+    positions = torch.cat([torch.arange(e - s) for s, e in _DOCS])[None]
+    bounds, probe = torch.tensor([0, 11, 29]), torch.randn(1, 29, 32, generator=torch.Generator().manual_seed(3))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        x = hidden.clone().requires_grad_()
+        outs = [deepseek_v4.v4_attention_forward(layer.self_attn, x, _embeddings(model, x, positions), positions,
+                                                 bounds, None, 0) for layer in model.layers]  # fmt: skip
+        sum((o * probe).sum() for o in outs).backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        return [torch.cat([o.detach() for o in outs]), x.grad, *grads]
+
+    whole = run()
+    monkeypatch.setattr(deepseek_v4, "SCORE_BYTES", 4 * 4 * 40)
+    for got, ref in zip(run(), whole, strict=True):
+        assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_its_compression_and_top_k_act_and_a_ring_is_refused():
+    """The family suite's tiny DeepSeek-V4 (window 7, CSA every 2 tokens with the top 4, HCA every 8, crossed):
+    every compressed entry picked, or no HCA window ever closed, moves its loss far beyond the tolerance. A ring is
+    refused before any collective."""
+    from tests.family_harness import build_model, float64_scope
+
+    model = build_model("deepseek_v4", "DeepseekV4ForCausalLM", crossed=True)
+    assert validate_model_for_sp(model, 4) == (4, 1)
+    with pytest.raises(ValueError, match="DeepseekV4Attention.*Ulysses SP only.*sp_ring_size=1"):
+        validate_model_for_sp(model, 4, ring_size=2)
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+
+    def loss() -> float:
+        with torch.no_grad(), float64_scope(model):
+            return model(input_ids=ids, labels=ids).loss.item()
+
+    base = loss()
+    attentions = [layer.self_attn for layer in model.model.layers]
+    indexers = [a.compressor.indexer for a in attentions if a.layer_type == "compressed_sparse_attention"]
+    hca = [a.compressor for a in attentions if a.layer_type == "heavily_compressed_attention"]
+    assert indexers and hca
+    for indexer in indexers:
+        indexer.index_topk = 10**6
+    every = loss()
+    for indexer in indexers:
+        indexer.index_topk = 4
+    for compressor in hca:
+        compressor.compress_rate = 10**3
+    unclosed = loss()
+    assert abs(every / base - 1) > 10 * EXACT and abs(unclosed / base - 1) > 10 * EXACT, (base, every, unclosed)
+
+
+@pytest.mark.dist
+def test_fp32_gap_is_round_off():
+    """In fp32 SP is 1.7e-5 to 2.2e-5 off one process on its hyper-head's gradients, as far as the fp32 one-process
+    run itself is from float64; wholly in float64 the two agree to ~1e-13 (``tests/float64_check.py``)."""
+    from tests.float64_check import float64_errors
+    from tests.harness import run_distributed
+
+    for errors in run_distributed(2, float64_errors, "deepseek_v4", "DeepseekV4ForCausalLM", True):
+        assert isinstance(errors, dict), errors
+        assert errors["fp64"] < 1e-11 and errors["fp32"] < 2 * errors["fp32_reference"], errors
