@@ -36,6 +36,7 @@ WORLD2 = [
     Case("minimax_m3_block_sparse_ga2", family="minimax_m3", grad_accum=2, model_overrides=ROUTER_LOSS, **SGD),
     # DeepSeek-V4: window + compressed entries (attention/deepseek_v4.py), hash- and learned-routed MoE, mHC
     Case("deepseek_v4_sgd_ga2", family="deepseek_v4", attn="eager", grad_accum=2, **SGD),
+    Case("deepseek_v4_router_loss", family="deepseek_v4", attn="eager", model_overrides=ROUTER_LOSS, **SGD),
 ]
 WORLD4 = [
     Case("sp4_gpt_oss_sinks_kv_rep", **GPT_OSS, sp_size=4, world_size=4),  # 2 kv heads over 4 ranks
