@@ -37,6 +37,14 @@ WORLD2 = [
     # DeepSeek-V4: window + compressed entries (attention/deepseek_v4.py), hash- and learned-routed MoE, mHC
     Case("deepseek_v4_sgd_ga2", family="deepseek_v4", attn="eager", grad_accum=2, **SGD),
     Case("deepseek_v4_router_loss", family="deepseek_v4", attn="eager", model_overrides=ROUTER_LOSS, **SGD),
+    Case(  # its indexer gets no gradient: no weight decay, as for DSA under ZeRO
+        "zero3_deepseek_v4",
+        family="deepseek_v4",
+        attn="eager",
+        backend="zero3",
+        train_overrides=dict(weight_decay=0.0),
+        **SGD,
+    ),  # fmt: skip
 ]
 WORLD4 = [
     Case("sp4_gpt_oss_sinks_kv_rep", **GPT_OSS, sp_size=4, world_size=4),  # 2 kv heads over 4 ranks
@@ -46,6 +54,7 @@ WORLD4 = [
     Case("dp2sp2_glm_moe_dsa", family="glm_moe_dsa", sp_size=2, world_size=4, grad_accum=2, **SGD),
     Case("sp4_minimax_m3_block_sparse", family="minimax_m3", sp_size=4, world_size=4, **SGD),  # 2 kv heads, 4 ranks
     Case("sp4_deepseek_v4", family="deepseek_v4", attn="eager", sp_size=4, world_size=4, **SGD),
+    Case("dp2sp2_deepseek_v4", family="deepseek_v4", attn="eager", sp_size=2, world_size=4, grad_accum=2, **SGD),
 ]
 
 
