@@ -111,7 +111,7 @@ def _sp1_run(family: str, collator, sp_trainer: bool, out_dir: str) -> dict:
     from hf_sp_trainer import SPTrainer, TrainingArguments
     from tests.harness import quiet_args, synthetic_dataset
 
-    model = tiny_model(family, attn="eager" if family in PURE_SSM else "sdpa")  # no attention, no sdpa
+    model = tiny_model(family, attn="eager" if family in {*PURE_SSM, "deepseek_v4"} else "sdpa")  # no attention / sinks
     common = quiet_args(out_dir, 3) | dict(
         per_device_train_batch_size=3, optim="sgd", learning_rate=5e-2, remove_unused_columns=False
     )
@@ -127,7 +127,8 @@ def _sp1_run(family: str, collator, sp_trainer: bool, out_dir: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "family", ["qwen3_5", "lfm2", "minimax", "mamba2", "jamba", "mamba", "recurrent_gemma", "qwen4_exp"]
+    "family",
+    ["qwen3_5", "lfm2", "minimax", "mamba2", "jamba", "mamba", "recurrent_gemma", "qwen4_exp", "deepseek_v4"],
 )
 def test_sp_size_1_keeps_packed_documents_apart(family, tmp_path):
     """SPTrainer(sp_size=1) on position_ids-packed rows trains like plain Trainer on one document per row; plain

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..documents import DocumentHook
-from ..model.mixers import SP_BLOCK_INDEXERS, covered_mixers
+from ..model.mixers import ROW_ANCHORED, covered_mixers
 from ..sharding import SequenceSharding
 from .swap import attach_mixers, check_mixer_kernels
 
@@ -23,7 +23,7 @@ def keep_documents_apart(model: torch.nn.Module) -> DocumentHook | None:
     """Make ``model``'s hybrid layers (if it has any SP runs exactly) compute each packed document alone; returns
     the pre-hook (``None``: nothing to do; ``documents.detach_documents(model)`` removes it). Cached generation
     (``past_key_values`` or ``use_cache=True`` given) runs transformers' own kernels."""
-    if not covered_mixers(model) and not any(type(m).__name__ in SP_BLOCK_INDEXERS for m in model.modules()):
+    if not covered_mixers(model) and not any(type(m).__name__ in ROW_ANCHORED for m in model.modules()):
         return None
     check_mixer_kernels(model)
     documents = DocumentHook(None, SequenceSharding(1))

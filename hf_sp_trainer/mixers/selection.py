@@ -203,13 +203,15 @@ def qsa_indexer_entry(original: Callable) -> Callable:
 
 
 def v4_attention_entry(original: Callable) -> Callable:
-    """DeepSeek-V4's attention (``DeepseekV4Attention``): under SP ``attention.deepseek_v4``'s forward (its window,
-    its document's compressed entries, the indexer's picks, over the whole sequence); transformers' own otherwise."""
+    """DeepSeek-V4's attention (``DeepseekV4Attention``): wherever SP's documents reach it, ``attention.deepseek_v4``'s
+    forward (its window, its document's compressed entries, the indexer's picks), at sp_size 1 too (documents kept
+    apart in one process: transformers' own aligns the windows to the row); transformers' own otherwise."""
 
     @functools.wraps(original)
     def forward(self, hidden_states, position_embeddings, position_ids, attention_mask=None, cache=None, **kwargs):
-        sp = selection_sp(kwargs, type(self).__name__)
-        if sp is None:
+        bounds, ctx = _sp_documents(kwargs)
+        if bounds is None or ctx is None:
+            refuse_without_documents(type(self).__name__)
             return original(
                 self, hidden_states=hidden_states, position_embeddings=position_embeddings, position_ids=position_ids,
                 attention_mask=attention_mask, cache=cache, **kwargs,
@@ -218,10 +220,8 @@ def v4_attention_entry(original: Callable) -> Callable:
             raise ValueError(f"{type(self).__name__} under sequence parallelism runs without a cache.")
         if self.training and self.attention_dropout:
             raise ValueError("DeepSeek-V4 under sequence parallelism has no attention dropout: set attention_dropout=0")
-        (bounds, topology) = sp
-        out = v4_attention_forward(
-            self, hidden_states, position_embeddings, position_ids, bounds, topology.sp_group, topology.sp_rank
-        )
+        group, rank = (None, 0) if ctx.topology is None else (ctx.topology.sp_group, ctx.topology.sp_rank)
+        out = v4_attention_forward(self, hidden_states, position_embeddings, position_ids, bounds, group, rank)
         return out, None
 
     return forward

@@ -74,6 +74,9 @@ SP_INDEXERS = (
 SP_BLOCK_ATTENTIONS = ("MiniMaxM3VLAttention",)
 SP_BLOCK_INDEXERS = ("MiniMaxM3VLIndexer",)
 SELECTING_ATTENTIONS = (*SP_ATTENTIONS, *SP_BLOCK_ATTENTIONS)  # exact under Ulysses only: a ring is refused
+# Modules transformers anchors at row slots (its packed forward mixes documents): SP's version runs at sp_size 1 too,
+# where documents are kept apart in one process (MiniMax-M3 refuses packed rows there; DeepSeek-V4 runs them exactly)
+ROW_ANCHORED = (*SP_BLOCK_INDEXERS, "DeepseekV4Attention")
 # Mixer classes with no kernel function to hook, a method of which hf_sp_trainer.mixers.swap replaces with an exact SP
 # version (checked against the installed one): MiniMax's lightning attention; RecurrentGemma's recurrent block (its
 # conv) and RG-LRU (its scan).
