@@ -747,3 +747,11 @@ def compare(ref: dict, got: dict) -> dict[str, float]:
         "params_tensor": tensor_rel,
         "update": (upd_diff_sq / max(upd_sq, 1e-30)) ** 0.5,
     }
+
+
+def row_anchored(bounds: torch.Tensor, rows: int, seq: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A negative control for ``block_sparse.document_positions``: each position's document, but its position counted
+    from the row's first token (transformers' row slots) instead of its document's."""
+    from hf_sp_trainer.attention.block_sparse import document_ids
+
+    return document_ids(bounds, rows, seq, device), torch.arange(seq, device=device).expand(rows, -1)

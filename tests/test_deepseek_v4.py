@@ -9,11 +9,10 @@ import pytest
 import torch
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
 
-from hf_sp_trainer.attention import deepseek_v4
-from hf_sp_trainer.attention.block_sparse import document_positions
+from hf_sp_trainer.attention import block_sparse, deepseek_v4
 from hf_sp_trainer.mixers.v4_checks import v4_attention_ok
 from hf_sp_trainer.validate import validate_model_for_sp
-from tests.harness import EXACT
+from tests.harness import EXACT, row_anchored
 
 pytestmark = pytest.mark.unit  # in-process
 
@@ -24,10 +23,6 @@ def test_check_passes_and_catches_what_it_guards(monkeypatch):
     """The installed forward passes; windows counted from the row's first token instead of the document's, CSA
     entries without the previous window's half, the indexer's picks ignored, or the sinks dropped, each fail."""
     assert v4_attention_ok.__wrapped__(ATTENTION, ATTENTION.forward)
-
-    def row_anchored(bounds, rows, seq, device):
-        docs, _ = document_positions(bounds, rows, seq, device)
-        return docs, torch.arange(seq, device=device).expand(rows, -1)
 
     select = deepseek_v4._csa_picks
 
@@ -43,9 +38,12 @@ def test_check_passes_and_catches_what_it_guards(monkeypatch):
     def no_sinks(logits, sinks):
         return logits.softmax(dim=-1)
 
-    for name, broken in [("_windows_positions", row_anchored), ("_has_previous", no_overlap)]:
+    for module, name, broken in [
+        (block_sparse, "document_positions", row_anchored),
+        (deepseek_v4, "_has_previous", no_overlap),
+    ]:
         with monkeypatch.context() as m:
-            m.setattr(deepseek_v4, "document_positions" if name == "_windows_positions" else name, broken)
+            m.setattr(module, name, broken)
             assert not v4_attention_ok.__wrapped__(ATTENTION, ATTENTION.forward), name
     with monkeypatch.context() as m:
         m.setattr(deepseek_v4, "_csa_picks", every_visible)

@@ -9,12 +9,11 @@ import pytest
 import torch
 from transformers.models.qwen4_exp import modeling_qwen4_exp as qwen4
 
-from hf_sp_trainer.attention import qsa
-from hf_sp_trainer.attention.block_sparse import document_positions
+from hf_sp_trainer.attention import block_sparse, qsa
 from hf_sp_trainer.attention.qsa import qsa_projection, sp_qsa_select
 from hf_sp_trainer.mixers.qsa_checks import _parts, _visible, qsa_attention_ok, qsa_indexer_ok
 from hf_sp_trainer.validate import validate_model_for_sp
-from tests.harness import EXACT
+from tests.harness import EXACT, row_anchored
 
 pytestmark = pytest.mark.unit  # in-process
 
@@ -48,15 +47,11 @@ def test_checks_pass_and_catch_what_they_guard(monkeypatch):
         late = -(indexer.compress_ratio - 1)
         return original(indexer, keys, cos.roll(late, 1), sin.roll(late, 1), bounds)
 
-    def row_anchored(bounds, rows, seq, device):  # blocks counted from the row's first token (transformers' slots)
-        docs, _ = document_positions(bounds, rows, seq, device)
-        return docs, torch.arange(seq, device=device).expand(rows, -1)
-
     with monkeypatch.context() as m:
         m.setattr(qsa, "pooled_blocks", rope_at_block_end)
         assert not qsa_indexer_ok.__wrapped__(INDEXER, INDEXER.forward)
     with monkeypatch.context() as m:
-        m.setattr(qsa, "document_positions", row_anchored)
+        m.setattr(block_sparse, "document_positions", row_anchored)
         assert not qsa_indexer_ok.__wrapped__(INDEXER, INDEXER.forward)
 
     def drops_indices(self, **kwargs):

@@ -39,6 +39,22 @@ def document_positions(bounds: torch.Tensor, rows: int, seq: int, device) -> tup
     return docs, flat - bounds.to(device)[docs - 1]
 
 
+def complete_windows(bounds: torch.Tensor, rows: int, seq: int, size: int, device):
+    """Every complete window of ``size`` tokens counted from its document's first token (Qwen4-Exp's blocks,
+    DeepSeek-V4's compressor windows): its row, first position, position in its document and document."""
+    docs, pos = document_positions(bounds, rows, seq, device)
+    bounds = bounds.to(device)
+    row, start = ((pos % size == 0) & (pos + size <= bounds[docs] - bounds[docs - 1])).nonzero(as_tuple=True)
+    return row, start, pos[row, start], docs[row, start]
+
+
+def windows_seen(doc: torch.Tensor, end: torch.Tensor, docs: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """``[b, len(queries), n]``: window ``e`` (its document ``doc[e]``, last position ``end[e]``) is complete before
+    each query of ``queries`` (whole-sequence positions) in the query's document (``docs``: ``[b, seq]``; documents
+    are numbered over the rows laid end to end, so no other row's window matches)."""
+    return (docs[:, queries, None] == doc) & (end <= queries[:, None])
+
+
 def m3_projection(indexer: torch.nn.Module, hidden_states, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
     """``MiniMaxM3VLIndexer.forward``'s queries ``[b, G, s, D]`` (fp32) and keys ``[b, s, D]`` (the model's dtype: made
     fp32 once gathered, exactly), RoPE applied."""

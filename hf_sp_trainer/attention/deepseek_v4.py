@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from ..comm.gather import all_gather_stack
-from .block_sparse import document_positions
+from .block_sparse import complete_windows, document_positions, windows_seen
 from .dsa import SCORE_BYTES
 
 
@@ -43,24 +43,15 @@ def gathered(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     return parts.transpose(0, 1).flatten(1, 2)
 
 
-def _windows(bounds: torch.Tensor, rows: int, seq: int, rate: int, device):
-    """Every complete window of ``rate`` tokens counted from its document's first token: its row, first position,
-    position in its document and document id."""
-    docs, pos = document_positions(bounds, rows, seq, device)
-    bounds = bounds.to(device)
-    length = bounds[docs] - bounds[docs - 1]
-    row, start = ((pos % rate == 0) & (pos + rate <= length)).nonzero(as_tuple=True)
-    return row, start, pos[row, start], docs[row, start]
-
-
 def _has_previous(at: torch.Tensor, rate: int) -> torch.Tensor:
     """Windows that have one before them in their document (CSA's overlap): not the document's first."""
     return at >= rate
 
 
 def _compress(owner, kv_in, gate_in, row, start, at, rate: int, dim: int, overlap: bool) -> torch.Tensor:
-    """``[n, dim]``: the compressor ``owner``'s entries of the windows (``_windows``), from the whole sequence's
-    per-token ``kv_proj`` / ``gate_proj`` outputs; ``overlap`` (CSA): the previous window's first half in front."""
+    """``[n, dim]``: the compressor ``owner``'s entries of the windows (``block_sparse.complete_windows``), from the
+    whole sequence's per-token ``kv_proj`` / ``gate_proj`` outputs; ``overlap`` (CSA): the previous window's first
+    half in front."""
     modeling = sys.modules[type(owner).__module__]
     span = start[:, None] + torch.arange(rate, device=start.device)
     kv = kv_in[row[:, None], span]
@@ -79,11 +70,10 @@ def _compress(owner, kv_in, gate_in, row, start, at, rate: int, dim: int, overla
 
 @dataclass(frozen=True)
 class Entries:
-    """A compressor's entries of the whole sequence: ``keys`` ``[n, d]`` and, per entry, its row, last position and
+    """A compressor's entries of the whole sequence: ``keys`` ``[n, d]`` and, per entry, its last position and
     document."""
 
     keys: torch.Tensor
-    row: torch.Tensor
     end: torch.Tensor
     doc: torch.Tensor
 
@@ -93,16 +83,8 @@ def _entries(compressor, hidden, bounds, group, overlap: bool, owner=None, dim: 
     dim = dim or compressor.head_dim
     rate = compressor.compress_rate
     kv_in, gate_in = gathered(owner.kv_proj(hidden), group), gathered(owner.gate_proj(hidden), group)
-    row, start, at, doc = _windows(bounds, hidden.shape[0], kv_in.shape[1], rate, hidden.device)
-    return Entries(_compress(owner, kv_in, gate_in, row, start, at, rate, dim, overlap), row, start + rate - 1, doc)
-
-
-def _seen(entries: Entries, docs: torch.Tensor, first: int, count: int) -> torch.Tensor:
-    """``[b, count, n]``: the entries complete before each query ``first, first + 1, ...`` of its document."""
-    queries = torch.arange(first, first + count, device=docs.device)
-    rows = torch.arange(docs.shape[0], device=docs.device)[:, None, None]
-    same = (docs[:, queries, None] == entries.doc) & (rows == entries.row)
-    return same & (entries.end <= queries[:, None])
+    row, start, at, doc = complete_windows(bounds, hidden.shape[0], kv_in.shape[1], rate, hidden.device)
+    return Entries(_compress(owner, kv_in, gate_in, row, start, at, rate, dim, overlap), start + rate - 1, doc)
 
 
 @torch.no_grad()
@@ -123,7 +105,9 @@ def _csa_picks(attn, hidden, q_residual, position_ids, bounds, docs, first: int,
     for start in range(0, s, tile):
         rows = slice(start, min(s, start + tile))
         scores = indexer.scorer(q[:, rows], keys, hidden[:, rows])  # [b, t, n]
-        seen = _seen(entries, docs, first + start, scores.shape[1])
+        seen = windows_seen(
+            entries.doc, entries.end, docs, torch.arange(first + start, first + start + scores.shape[1])
+        )
         top = scores.masked_fill(~seen, float("-inf")).topk(top_k, dim=-1)
         picks.append(torch.where(top.values.isfinite(), top.indices, -1))
     return torch.cat(picks, dim=1)
@@ -162,7 +146,7 @@ def _tiled(q, kv_all, entries, picks, docs, first: int, window: int, sinks, scal
     n = 0 if entries is None else (picks.shape[-1] if picks is not None else entries.keys.shape[0])
     tile = max(1, min(s, SCORE_BYTES // (4 * b * h * (window + n + min(s, 1024)))))
     grad = torch.is_grad_enabled() and (q.requires_grad or kv_all.requires_grad)
-    parts = () if entries is None else (entries.keys, entries.row, entries.end, entries.doc)
+    parts = () if entries is None else (entries.keys, entries.end, entries.doc)
     outs = []
     for start in range(0, s, tile):
         rows = slice(start, min(s, start + tile))
@@ -186,7 +170,7 @@ def _attend(q, kv_all, docs, sinks, picks, *parts, first: int, window: int, scal
     if n_parts:
         entries = Entries(*parts)
         if picks is None:  # HCA: every complete entry of the document
-            keys, seen = entries.keys, _seen(entries, docs, first, t)
+            keys, seen = entries.keys, windows_seen(entries.doc, entries.end, docs, queries)
             scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
         else:  # CSA: the indexer's picks
             keys, seen = entries.keys[picks.clamp(min=0)], picks >= 0  # [b, t, k, d]

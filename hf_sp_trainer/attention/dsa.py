@@ -52,7 +52,8 @@ def document_causal(docs: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
     return (docs[:, queries, None] == docs[:, None, :]) & (keys <= queries[:, None])
 
 
-def _gather(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+def gather_tokens(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``[b, seq, ...]`` from every rank's ``[b, s, ...]`` (contiguous shards; no autograd), for the selections."""
     return x if group is None else all_gather_along(x, dim=1, group=group)
 
 
@@ -143,7 +144,7 @@ def sp_index_topk(
     ``PROJECTIONS`` entry); the keys and the selections are gathered over ``group``."""
     q, keys, weights, scale = projected
     b, s, heads, _ = q.shape
-    keys = _gather(keys.contiguous(), group).float()  # [b, seq, d]
+    keys = gather_tokens(keys.contiguous(), group).float()  # [b, seq, d]
     seq = keys.shape[1]
     topk = min(indexer.index_topk, seq)
     docs = document_ids(bounds, b, seq, q.device)
@@ -157,7 +158,7 @@ def sp_index_topk(
         queries = torch.arange(rows.start, rows.stop, device=q.device) + rank * s
         index = index.masked_fill(~document_causal(docs, queries), float("-inf"))
         picks.append(index.topk(topk, dim=-1).indices.to(torch.int32))
-    return _gather(torch.cat(picks, dim=1), group)
+    return gather_tokens(torch.cat(picks, dim=1), group)
 
 
 def placeholder_mask(hidden_states: torch.Tensor, seq: int) -> torch.Tensor:

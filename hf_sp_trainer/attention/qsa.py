@@ -27,13 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..comm import all_gather_along
-from .block_sparse import document_positions
-from .dsa import SCORE_BYTES
-
-
-def _gather(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    return x if group is None else all_gather_along(x.contiguous(), dim=1, group=group)
+from .block_sparse import complete_windows, document_positions, windows_seen
+from .dsa import SCORE_BYTES, gather_tokens
 
 
 def qsa_projection(indexer: torch.nn.Module, hidden_states, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,9 +51,7 @@ def pooled_blocks(indexer: torch.nn.Module, keys, cos, sin, bounds: torch.Tensor
     b, seq, _ = keys.shape
     ratio = indexer.compress_ratio
     docs, pos = document_positions(bounds, b, seq, keys.device)
-    bounds = bounds.to(keys.device)
-    length = bounds[docs] - bounds[docs - 1]
-    rows, starts = ((pos % ratio == 0) & (pos + ratio <= length)).nonzero(as_tuple=True)
+    rows, starts, _, _ = complete_windows(bounds, b, seq, ratio, keys.device)
     span = starts[:, None] + torch.arange(ratio, device=keys.device)
     pooled = keys[rows[:, None], span].float().mean(dim=1).to(keys.dtype)
     pooled = indexer.k_layernorm(pooled).unsqueeze(1)
@@ -82,8 +75,8 @@ def sp_qsa_select(
     q, keys = projected
     b, s, heads, dim = q.shape
     ratio, topk = indexer.compress_ratio, indexer.block_topk
-    cos, sin = (_gather(t, group) for t in position_embeddings)
-    rows, starts, block_keys, docs, pos = pooled_blocks(indexer, _gather(keys, group), cos, sin, bounds)
+    cos, sin = (gather_tokens(t, group) for t in position_embeddings)
+    rows, starts, block_keys, docs, pos = pooled_blocks(indexer, gather_tokens(keys, group), cos, sin, bounds)
     block_docs, block_ends = docs[rows, starts], starts + ratio - 1
     within = torch.arange(ratio, device=q.device)
     tile = max(1, SCORE_BYTES // (4 * b * heads * max(len(starts), 1)))
@@ -92,7 +85,7 @@ def sp_qsa_select(
         local = slice(first, min(s, first + tile))
         queries = torch.arange(local.start, local.stop, device=q.device) + rank * s  # whole-sequence positions
         scores = torch.relu(torch.matmul(q[:, local], block_keys.T)).sum(dim=2) / dim**0.5  # [b, t, n]
-        seen = (block_docs == docs[:, queries, None]) & (block_ends <= queries[:, None])
+        seen = windows_seen(block_docs, block_ends, docs, queries)
         top = scores.masked_fill(~seen, float("-inf")).topk(min(topk, len(starts)), dim=-1)
         chosen = (starts[top.indices][..., None] + within).flatten(2)  # [b, t, k * ratio]
         chosen_ok = top.values.isfinite().repeat_interleave(ratio, dim=-1)
@@ -104,4 +97,4 @@ def sp_qsa_select(
         both, ok = F.pad(both, (0, pad)), F.pad(ok, (0, pad))
         first_ok = both.gather(-1, ok.int().argmax(-1, keepdim=True))
         picks.append(torch.where(ok, both, first_ok).to(torch.int32))
-    return _gather(torch.cat(picks, dim=1), group)
+    return gather_tokens(torch.cat(picks, dim=1), group)
