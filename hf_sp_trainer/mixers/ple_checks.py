@@ -64,6 +64,6 @@ def ple_conv_ok(cls: type, forward: Callable) -> bool:
     layer = _ple_layer(cls)
     x = torch.randn(1, 18, layer.conv1d.in_channels, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        alone = torch.cat([forward(layer, x[:, s:e], None) for s, e in _DOCS], dim=1)
+        alone = torch.cat([forward(layer, hidden_states=x[:, s:e], cache=None) for s, e in _DOCS], dim=1)
         ours = sp_dilated_conv(x, layer.conv1d, _runs(0, 1), None)
     return close(ours, alone)

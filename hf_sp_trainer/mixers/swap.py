@@ -257,7 +257,7 @@ def _ple_conv_entry(original: Callable) -> Callable:
     def _short_conv(self, hidden_states, cache=None):
         bounds, ctx = _sp_call({}, original.__qualname__)
         if ctx is None:
-            return original(self, hidden_states, cache)
+            return original(self, hidden_states=hidden_states, cache=cache)
         if cache is not None:
             raise ValueError("Qwen4-Exp's PLE conv under sequence parallelism runs without a cache.")
         with recompute_region():
