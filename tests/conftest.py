@@ -6,8 +6,9 @@ its own or its module's (``pytestmark``; a test's own marker overrides its modul
 test that is not ``unit`` (``-m "not slow"`` == ``-m unit``).
 
 - A test without a tier, or with two of its own, fails the collection (a usage error naming it).
-- A ``unit`` test that starts a process (``multiprocessing``, ``subprocess``, the gloo pool) fails, naming the tier
-  to use, in setup, call or teardown, even where the test catches the exception.
+- A ``unit`` test that starts a process (``multiprocessing``, ``subprocess``, the gloo pool) in the main thread
+  fails, naming the tier to use, in setup, call or teardown, even where the test catches the exception (the jobs
+  e2e tests start in background threads, ``tests/launches.py``, may still be running).
 - At the session's end the gloo pool is shut down; a tier that ran in full (the whole ``tests`` directory, no
   ``-k``, nothing of it deselected, not stopped early) has its wall time (its tests' setup + call + teardown) written
   to ``tier_durations.json``, and the session's too when every tier ran; one over its budget in
@@ -16,12 +17,14 @@ test that is not ``unit`` (``-m "not slow"`` == ``-m unit``).
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing.process
 import os
 import resource
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -104,8 +107,8 @@ class StartedAProcess(RuntimeError):
 
 def _guard(what: str) -> None:
     item = _state["item"]
-    if item is None:
-        return
+    if item is None or threading.current_thread() is not threading.main_thread():
+        return  # (a launch in a background thread belongs to an e2e test's jobs: tests/launches.py)
     message = (
         f"{item.nodeid} is marked `unit` (in-process) but started a process ({what}). Mark it `dist` "
         f"({USE['dist']}), `matrix` ({USE['matrix']}) or `e2e` ({USE['e2e']})."
@@ -180,6 +183,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     _state["tiers_by_id"] = {item.nodeid: item.stash.get(TIER, None) for item in session.items}
+    gc.collect()
+    gc.freeze()  # the imported test modules and libraries: out of the collections in-process Trainer runs start
 
 
 def _whole_directory(config: pytest.Config) -> bool:

@@ -26,6 +26,7 @@ DOCS = (13, 9, 18)  # 40 tokens: the second document straddles the sp-2 boundary
 LONG = 40
 AUX_COEF = 0.1
 COLLECTIVE_TIMEOUT_S = 60
+REFERENCES_PER_RANK = 8  # families whose references a rank computes before the ranks exchange them
 OUT_OF_SCOPE_SUBCONFIG = ("vision", "audio", "vq", "encoder", "decoder", "patcher", "text_config")
 
 # Fields set by name wherever a config has them: (name, value). Sizes first, then MoE, MLA and the rest.
@@ -584,18 +585,20 @@ def run_families(names: list[tuple[str, str]], sp_size: int, ring_size: int | No
     results: dict[str, dict] = {"default": {}, "crossed": {}}
     world, rank = dist.get_world_size(), dist.get_rank()
     for variant in ("default", "crossed") if crossed else ("default",):
-        for chunk in (names[i : i + world] for i in range(0, len(names), world)):
-            # the single-process references of the next `world` families, one family per rank, shared with all
-            mine = None
-            if rank < len(chunk):
-                mine = prepare_references(*chunk[rank], sp_size, ring_size, crossed=variant == "crossed")
-            prepared: list = [None] * world
+        step = REFERENCES_PER_RANK * world
+        for chunk in (names[i : i + step] for i in range(0, len(names), step)):
+            # the single-process references of the next families, shared out over the ranks (rank r takes every
+            # world-th one: many per rank, so one slow family's reference doesn't keep the other ranks waiting)
+            mine = [prepare_references(*name, sp_size, ring_size, crossed=variant == "crossed")
+                    for name in chunk[rank::world]]  # fmt: skip
+            gathered: list = [None] * world
             try:
-                dist.all_gather_object(prepared, mine)
+                dist.all_gather_object(gathered, mine)
             except Exception as exc:  # noqa: BLE001 - the group is gone: stop here
                 results[variant][chunk[0][0]] = {"status": "crash", "detail": f"group lost: {_first_line(exc)}"}
                 return results
-            for (model_type, class_name), ready in zip(chunk, prepared, strict=False):
+            prepared = [gathered[j % world][j // world] for j in range(len(chunk))]
+            for (model_type, class_name), ready in zip(chunk, prepared, strict=True):
                 start = time.perf_counter()
                 mine = check_family(model_type, class_name, sp_size, ring_size, crossed=variant == "crossed",
                                     prepared=ready)  # fmt: skip

@@ -288,9 +288,17 @@ def ddp_references(dp_size: int) -> dict[str, dict]:
     return unwrap_results(run_distributed(dp_size, _reference_runs, cases))[0]
 
 
-def reference(case: RLCase, out_dir: str) -> dict:
+@functools.cache
+def single_process_references() -> dict:
+    """TRL's own trainers in one process for the compared cases with one dp rank (side by side on the pool's ranks)."""
+    from tests.harness import reference_runs
+
+    return reference_runs([c for c in CASES if c.dp_size == 1 and c.compare])
+
+
+def reference(case: RLCase) -> dict:
     if case.dp_size == 1:
-        return train_rl_case(case, sp=False, out_dir=out_dir)
+        return single_process_references()[case.name]()
     return ddp_references(case.dp_size)[case.name]
 
 

@@ -648,19 +648,52 @@ def run_cases(cases: list, probe: Callable | None = None) -> dict[str, dict]:
     return out
 
 
-def sp_runs_by_world(*case_lists: list) -> dict[int, list]:
-    """Every case's SP run, one spawned group per world size (``run_cases`` on each rank)."""
+def sp_runs_by_world(*case_lists: list) -> CaseRuns:
+    """Every case's SP run, one spawned group per world size (``run_cases`` on each rank), then every case's
+    single-process reference (``reference_runs``)."""
+    cases = [c for cases in case_lists for c in cases]
     by_world: dict[int, list] = {}
-    for case in (c for cases in case_lists for c in cases):
+    for case in cases:
         by_world.setdefault(case.world_size, []).append(case)
-    return {world: run_distributed(world, run_cases, cases) for world, cases in by_world.items()}
+    sp = {world: run_distributed(world, run_cases, group) for world, group in by_world.items()}
+    return CaseRuns(sp, reference_runs(cases))
 
 
-def check_sp_case(case, sp_results: dict[int, list], out_dir: str, tol: float, train: Callable | None = None) -> dict:
-    """``case``'s SP run (from ``sp_runs_by_world``) against its single-process run (``train``, default
-    ``train_case``): the optimizer steps, and every reported difference within ``tol``; the differences."""
-    got = unwrap_results(sp_results[case.world_size])[0][case.name]
-    ref = (train or train_case)(case, sp=False, out_dir=out_dir)
+@dataclass
+class CaseRuns:
+    """A module's cases run: ``sp``, per world size, what ``run_cases`` returned on each rank; ``references``, per
+    case name, a getter of its single-process run."""
+
+    sp: dict[int, list]
+    references: dict[str, Callable[[], dict]]
+
+    def got(self, case) -> dict:
+        """``case``'s SP run (rank 0's result)."""
+        return unwrap_results(self.sp[case.world_size])[0][case.name]
+
+    def reference(self, case) -> dict:
+        """``case``'s single-process run (fails here if that run failed)."""
+        return self.references[case.name]()
+
+
+def single_process_run(case) -> dict:
+    """``case.train(sp=False)``, its one-process reference run, in a temporary directory."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return case.train(sp=False, out_dir=tmp)
+
+
+def reference_runs(cases: list) -> dict[str, Callable[[], dict]]:
+    """Every case's one-process reference run (``single_process_run``), side by side on the ranks of the 2-rank
+    world as independent processes (``run_parallel``: each a process of its own, as this one is); case name -> a
+    getter of its result."""
+    return dict(zip([c.name for c in cases], run_parallel(single_process_run, cases), strict=True))
+
+
+def check_sp_case(case, runs: CaseRuns, tol: float) -> dict:
+    """``case``'s SP run against its single-process run (both from ``sp_runs_by_world``): the optimizer steps, and
+    every reported difference within ``tol``; the differences."""
+    got = runs.got(case)
+    ref = runs.reference(case)
     diffs = compare(ref, got)
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
     assert got["global_step"] == ref["global_step"] == case.steps

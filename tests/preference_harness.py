@@ -300,16 +300,28 @@ def ddp_references(dp_size: int) -> dict[str, dict]:
     return unwrap_results(run_distributed(dp_size, _reference_runs, cases))[0]
 
 
-def check_case(case: PrefCase, out_dir: str) -> dict[str, float]:
+def _ddp_reference(case: PrefCase) -> bool:
+    return case.dp_size > 1 and case.trainer in DDP_REFERENCE
+
+
+@functools.cache
+def single_process_references(trainer: str) -> dict:
+    """TRL's own ``trainer`` in one process for its cases without a dp reference (side by side on the pool's ranks)."""
+    from tests.harness import reference_runs
+
+    return reference_runs([c for c in WORLD2 + WORLD4 if c.trainer == trainer and not _ddp_reference(c)])
+
+
+def check_case(case: PrefCase) -> dict[str, float]:
     """Train ``case`` with TRL (one process, or dp processes for ``DDP_REFERENCE`` trainers), compare with its SP
     run, assert every figure within ``EXACT``."""
     from tests.harness import assert_throughput_counts, compare
 
     got = sp_results(case.world_size)[case.name]
-    if case.dp_size > 1 and case.trainer in DDP_REFERENCE:
+    if _ddp_reference(case):
         ref = ddp_references(case.dp_size)[case.name]
     else:
-        ref = train_pref_case(case, sp=False, out_dir=out_dir)
+        ref = single_process_references(case.trainer)[case.name]()
     diffs = compare(ref, got) | metric_diffs(ref, got, beta=case.config.get("beta", 0.1))
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
     assert got["global_step"] == ref["global_step"] == case.steps

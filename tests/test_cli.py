@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.harness import EXACT, tiny_model
+from tests.launches import free_port, port_flags, run_side_by_side
 from tests.sft_harness import sft_dataset
 
 pytestmark = pytest.mark.e2e  # launched jobs; the tests marked otherwise below are not
@@ -90,6 +91,12 @@ def tiny_run(tmp_path_factory):
         history = json.loads((out / "trainer_state.json").read_text())["log_history"]
         return [(e["loss"], e["grad_norm"]) for e in history if "grad_norm" in e]
 
+    def runs(launches: dict[str, tuple[list[str], ...]]) -> list:
+        """``run(name, *launchers)`` for every entry, side by side (``tests/launches.py``); the results in order."""
+        done = run_side_by_side({name: lambda n=name, ls=ls: run(n, *ls) for name, ls in launches.items()})
+        return list(done.values())
+
+    run.side_by_side = runs
     return run
 
 
@@ -110,17 +117,21 @@ def main_job(tmp_path_factory):
     """The built-in main job shortened to 3 steps, as launched with no arguments (2 processes, sp 2) and with
     ``--num_processes 1 --sp_size 1``: per sp, the console output and the logged per-step losses."""
     root = tmp_path_factory.mktemp("main_job")
-    runs = {}
-    for sp, launch in ((2, []), (1, ["--num_processes", "1", "--sp_size", "1"])):
+
+    def launch(sp: int, flags: list[str]):
         out = root / f"sp{sp}"
         done = subprocess.run(
-            [f"{BIN}/hf-sp-sft", "--max_steps", "3", "--logging_steps", "1", "--output_dir", str(out), *launch],
+            [f"{BIN}/hf-sp-sft", "--max_steps", "3", "--logging_steps", "1", "--output_dir", str(out), *flags],
             capture_output=True, text=True, env=ENV, timeout=900, cwd=root,
         )  # fmt: skip
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         history = json.loads((out / "trainer_state.json").read_text())["log_history"]
-        runs[sp] = (done.stdout, [e["loss"] for e in history if "grad_norm" in e], out)
-    return runs
+        return done.stdout, [e["loss"] for e in history if "grad_norm" in e], out
+
+    return run_side_by_side({
+        2: lambda: launch(2, port_flags("accelerate")),  # the defaults: 2 processes, sp 2
+        1: lambda: launch(1, ["--num_processes", "1", "--sp_size", "1"]),
+    })  # fmt: skip
 
 
 def test_main_job_runs_end_to_end(main_job):
@@ -145,19 +156,23 @@ def test_main_job_same_flags_same_training_at_sp1_and_sp2(main_job):
 
 
 def test_cli_lora_sp2_matches_one_process(tiny_run, reference):
-    launched = tiny_run("sp2", [f"{BIN}/hf-sp-sft", "--num_processes", "2", "--sp_size", "2"])
-    torchrun = tiny_run("torchrun", [f"{BIN}/torchrun", "--nproc_per_node", "2", f"{BIN}/hf-sp-sft", "--sp_size", "2",
-                                     "--use_cpu"])  # fmt: skip
+    launched, torchrun = tiny_run.side_by_side({
+        "sp2": ([f"{BIN}/hf-sp-sft", "--num_processes", "2", "--sp_size", "2", *port_flags("accelerate")],),
+        "torchrun": ([f"{BIN}/torchrun", "--nproc_per_node", "2", *port_flags("torchrun"), f"{BIN}/hf-sp-sft",
+                      "--sp_size", "2", "--use_cpu"],),
+    })  # fmt: skip
     for got in (launched, torchrun):
         assert_same_steps(got, reference)
 
 
 def test_cli_accelerate_routes(tiny_run, reference):
     """accelerate's own flags: FSDP2 with `--parallelism_config_sp_size 2`, and DeepSpeed ZeRO-3 with --sp_size 2."""
-    fsdp = tiny_run("fsdp_pc", [f"{BIN}/hf-sp-sft", "--num_processes", "2", "--use_fsdp", "--fsdp_version", "2",
-                                "--use_parallelism_config", "--parallelism_config_sp_size", "2"])  # fmt: skip
-    zero3 = tiny_run("zero3", [f"{BIN}/hf-sp-sft", "--num_processes", "2", "--use_deepspeed", "--zero_stage", "3",
-                               "--sp_size", "2"])  # fmt: skip
+    fsdp, zero3 = tiny_run.side_by_side({
+        "fsdp_pc": ([f"{BIN}/hf-sp-sft", "--num_processes", "2", "--use_fsdp", "--fsdp_version", "2",
+                     "--use_parallelism_config", "--parallelism_config_sp_size", "2", *port_flags("accelerate")],),
+        "zero3": ([f"{BIN}/hf-sp-sft", "--num_processes", "2", "--use_deepspeed", "--zero_stage", "3",
+                   "--sp_size", "2", *port_flags("accelerate")],),
+    })  # fmt: skip
     for got in (fsdp, zero3):
         assert_same_steps(got, reference)
 
@@ -169,22 +184,22 @@ def _nodes(port: int, launcher) -> list[list[str]]:
 def test_multinode_launchers_on_loopback(tiny_run, reference, tmp_path):
     """Two emulated nodes (one process each, rendezvous on 127.0.0.1) under torchrun, accelerate and the deepspeed
     launcher: sp_size 2 spans the nodes and reproduces the one-process run."""
-    from tests.harness import _free_port
-
-    torchrun = tiny_run("multinode_torchrun", *_nodes(_free_port(), lambda rank, port: [
-        f"{BIN}/torchrun", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank),
-        "--master_addr", "127.0.0.1", "--master_port", port, f"{BIN}/hf-sp-sft", "--sp_size", "2", "--use_cpu",
-    ]))  # fmt: skip
-    accelerate = tiny_run("multinode_accelerate", *_nodes(_free_port(), lambda rank, port: [
-        f"{BIN}/hf-sp-sft", "--num_processes", "2", "--num_machines", "2", "--machine_rank", str(rank),
-        "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--sp_size", "2",
-    ]))  # fmt: skip
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
-    deepspeed = tiny_run("multinode_deepspeed", *_nodes(_free_port(), lambda rank, port: [
-        f"{BIN}/deepspeed", "--hostfile", str(hostfile), "--no_ssh", "--num_nodes", "2", "--node_rank", str(rank),
-        "--num_gpus", "1", "--master_addr", "127.0.0.1", "--master_port", port,
-        f"{BIN}/hf-sp-sft", "--sp_size", "2", "--use_cpu",
-    ]))  # fmt: skip
+    torchrun, accelerate, deepspeed = tiny_run.side_by_side({
+        "multinode_torchrun": _nodes(free_port(), lambda rank, port: [
+            f"{BIN}/torchrun", "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(rank),
+            "--master_addr", "127.0.0.1", "--master_port", port, f"{BIN}/hf-sp-sft", "--sp_size", "2", "--use_cpu",
+        ]),
+        "multinode_accelerate": _nodes(free_port(), lambda rank, port: [
+            f"{BIN}/hf-sp-sft", "--num_processes", "2", "--num_machines", "2", "--machine_rank", str(rank),
+            "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--sp_size", "2",
+        ]),
+        "multinode_deepspeed": _nodes(free_port(), lambda rank, port: [
+            f"{BIN}/deepspeed", "--hostfile", str(hostfile), "--no_ssh", "--num_nodes", "2", "--node_rank", str(rank),
+            "--num_gpus", "1", "--master_addr", "127.0.0.1", "--master_port", port,
+            f"{BIN}/hf-sp-sft", "--sp_size", "2", "--use_cpu",
+        ]),
+    })  # fmt: skip
     for got in (torchrun, accelerate, deepspeed):
         assert_same_steps(got, reference)

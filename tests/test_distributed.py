@@ -19,7 +19,6 @@ from tests.harness import (
     logged_steps,
     run_distributed,
     sp_runs_by_world,
-    train_case,
     unwrap_results,
 )
 
@@ -92,9 +91,8 @@ def sp_results():
 
 
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)
-def test_backend_matches_single_process(case, sp_results, tmp_path):
-    got = unwrap_results(sp_results[case.world_size])[0][case.name]
-    ref = train_case(case, sp=False, out_dir=str(tmp_path))
+def test_backend_matches_single_process(case, sp_results):
+    got, ref = sp_results.got(case), sp_results.reference(case)
     diffs = compare(ref, got)
     print(case.name, f"{got['seconds']:.1f}s", {k: f"{v:.2e}" for k, v in diffs.items()})
     if REPORT:

@@ -10,7 +10,7 @@ CASES = [c for c in WORLD2 + WORLD4 if c.trainer == "dpo"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_sp_dpo_matches_single_process(case, tmp_path):
-    got = check_case(case, str(tmp_path))
+def test_sp_dpo_matches_single_process(case):
+    got = check_case(case)
     if case.sp_size == 4:
         assert got["prompt_only_shards"] > 0  # some rank held only prompt tokens of its batch

@@ -11,8 +11,6 @@ from tests.harness import (
     assert_within,
     compare,
     sp_runs_by_world,
-    train_case,
-    unwrap_results,
 )
 
 pytestmark = pytest.mark.dist  # spawned gloo worlds (tests/pool.py)
@@ -68,9 +66,8 @@ def sp_results():
 
 
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)
-def test_sp_matches_single_process(case, sp_results, tmp_path):
-    got = unwrap_results(sp_results[case.world_size])[0][case.name]
-    ref = train_case(case, sp=False, out_dir=str(tmp_path))
+def test_sp_matches_single_process(case, sp_results):
+    got, ref = sp_results.got(case), sp_results.reference(case)
     diffs = compare(ref, got)
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
     if REPORT:

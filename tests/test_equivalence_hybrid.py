@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.harness import EXACT, PURE_SSM, Case, check_sp_case, sp_runs_by_world, tiny_model
-from tests.sft_harness import SFTCase, train_sft_case
+from tests.sft_harness import SFTCase
 
 pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
 
@@ -101,8 +101,8 @@ def sp_results():
 
 @pytest.mark.dist
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)
-def test_sp_matches_single_process(case, sp_results, tmp_path):
-    check_sp_case(case, sp_results, str(tmp_path), EXACT, train_sft_case if isinstance(case, SFTCase) else None)
+def test_sp_matches_single_process(case, sp_results):
+    check_sp_case(case, sp_results, EXACT)
 
 
 def _sp1_run(family: str, collator, sp_trainer: bool, out_dir: str) -> dict:

@@ -10,11 +10,11 @@ pytestmark = pytest.mark.dist  # spawned gloo worlds (tests/pool.py); the tests 
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.compare], ids=lambda c: c.name)
-def test_sp_rl_matches_trl(case, tmp_path):
+def test_sp_rl_matches_trl(case):
     got = sp_results(case.world_size)[case.name]
     assert got["sp_ranks_agree"]  # every rank of a group scored the same completions
     assert (got["split_generations"] > 0) == (case.sp_config.get("sp_generation") == "split")
-    ref = reference(case, str(tmp_path))
+    ref = reference(case)
     assert got["global_step"] == ref["global_step"] == case.steps
     assert got["model_type"].removeprefix("FSDP") == ref["model_type"]  # FSDP2 renames the class it shards
     assert ("Peft" in got["model_type"]) == case.lora

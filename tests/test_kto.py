@@ -12,5 +12,5 @@ CASES = [c for c in WORLD2 + WORLD4 if c.trainer == "kto"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_sp_kto_matches_single_process(case, tmp_path):
-    check_case(case, str(tmp_path))
+def test_sp_kto_matches_single_process(case):
+    check_case(case)

@@ -49,5 +49,5 @@ def sp_results():
 
 
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)
-def test_sp_matches_single_process(case, sp_results, tmp_path):
-    check_sp_case(case, sp_results, str(tmp_path), EXACT)
+def test_sp_matches_single_process(case, sp_results):
+    check_sp_case(case, sp_results, EXACT)

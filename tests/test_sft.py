@@ -2,8 +2,8 @@
 
 import pytest
 
-from tests.harness import EXACT, sp_runs_by_world, unwrap_results
-from tests.sft_harness import SFTCase, train_sft_case
+from tests.harness import EXACT, sp_runs_by_world
+from tests.sft_harness import SFTCase
 
 pytestmark = pytest.mark.dist  # spawned gloo worlds (tests/pool.py)
 
@@ -32,11 +32,10 @@ def sp_results():
 
 
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)
-def test_sp_sft_matches_single_process(case, sp_results, tmp_path):
+def test_sp_sft_matches_single_process(case, sp_results):
     from tests.harness import compare
 
-    got = unwrap_results(sp_results[case.world_size])[0][case.name]
-    ref = train_sft_case(case, sp=False, out_dir=str(tmp_path))
+    got, ref = sp_results.got(case), sp_results.reference(case)
     diffs = compare(ref, got)
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
     assert got["global_step"] == ref["global_step"] == case.steps

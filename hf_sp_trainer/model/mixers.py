@@ -142,7 +142,7 @@ def sequence_mixers(model: torch.nn.Module) -> list[tuple[str, str, str]]:
             if mask_only_window(module, text) is not None:
                 continue  # SP passes the window the model's mask applies (MASK_ONLY_WINDOWS)
             if _calls_attention(type(module)) and getattr(module, "sliding_window", None) is None:
-                if "sliding_window" not in inspect.getsource(type(module)) and _may_slide(type(module)):
+                if not _mentions_sliding_window(type(module)) and _may_slide(type(module)):
                     what = "an attention whose sliding window lives only in the mask SP drops"
                     found.append((name, type(module).__name__, what))
     layers = [name for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
@@ -217,6 +217,12 @@ def _holds(model: torch.nn.Module, module: torch.nn.Module) -> bool:
     ):
         return False
     return any(_is_mixer_class(model, type(m)) for m in list(module.modules())[1:])
+
+
+@cache
+def _mentions_sliding_window(cls: type) -> bool:
+    """The class's source names ``sliding_window`` (read once per class: ``inspect`` parses the whole module)."""
+    return "sliding_window" in inspect.getsource(cls)
 
 
 @cache
@@ -332,6 +338,7 @@ def _calls_attention(cls: type) -> bool:
     return _forward_call(cls) is not None
 
 
+@cache
 def _builds_own_mask(cls: type) -> bool:
     """The mask given to the registry's attention is computed in the module's forward (a learned dynamic mask, a
     sparse top-k selection), not just the model's ``attention_mask`` (or a slice of it): SP passes no mask."""
