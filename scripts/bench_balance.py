@@ -12,7 +12,10 @@ The document lengths are synthetic: log-normal with median ``--median`` tokens a
 benchmark's, not fitted to a dataset.
 
 On a 2-core machine run ``--dp 2 --sp 1`` (a core per rank): with more processes than cores a rank that waits frees
-its core for the slow group and the balance stops showing in the step time.
+its core for the slow group and the balance stops showing in the step time. For more ranks than cores (``--dp 2 --sp
+2`` here) read ``busiest_cpu_s``: per step, the CPU seconds of the rank that worked most (its own compute and
+communication, not its waits), the median over steps -- what the step would take on a core per rank, less the waits
+it causes; a proxy, not a step time.
 
     python scripts/bench_balance.py --dp 2 --sp 1 --steps 12 --repeats 2 --out docs/benchmarks/balance
 """
@@ -53,14 +56,18 @@ def _trainer(variant: str, args, data, out_dir: str):
     from hf_sp_trainer.trainers import rebalance
 
     class StepTimes(TrainerCallback):
+        """Per step: wall seconds, and this process's CPU seconds (its own work, not its waits on other ranks)."""
+
         def __init__(self):
             self.times: list[float] = []
+            self.cpu: list[float] = []
 
         def on_step_begin(self, *a, **k):
-            self.start = time.perf_counter()
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_step_end(self, *a, **k):
             self.times.append(time.perf_counter() - self.start)
+            self.cpu.append(time.process_time() - self.cpu_start)
 
     training = TrainingArguments(
         output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=args.batch,
@@ -100,10 +107,9 @@ def _worker(rank, world, port, args, out_path):
             losses = [e["loss"] for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
             steady = timer.times[1:]  # the first step warms up
             rows.append({"variant": variant, "repeat": repeat, "step_s": statistics.median(steady),
-                         "steps": len(timer.times), "losses": losses})  # fmt: skip
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(rows, f)
+                         "cpu_s": timer.cpu, "steps": len(timer.times), "losses": losses})  # fmt: skip
+    with open(f"{out_path}.{rank}", "w") as f:
+        json.dump(rows, f)
     end_spawned_worker()
 
 
@@ -149,16 +155,24 @@ def main() -> None:
     world = args.dp * args.sp
     raw = os.path.join(tempfile.mkdtemp(prefix="bench_balance_"), "raw.json")
     mp.spawn(_worker, args=(world, free_port(), args, raw), nprocs=world)
-    with open(raw) as f:
-        runs = json.load(f)
+    per_rank = []
+    for rank in range(world):
+        with open(f"{raw}.{rank}") as f:
+            per_rank.append(json.load(f))
+    runs = per_rank[0]
+    for i, run in enumerate(runs):  # per step, the busiest rank's CPU seconds; steady steps (the first warms up)
+        busiest = [max(ranks) for ranks in zip(*(r[i]["cpu_s"] for r in per_rank), strict=True)]
+        run["busiest_cpu_s"] = statistics.median(busiest[1:])
     rows = []
     for variant in VARIANTS:
         picked = [r for r in runs if r["variant"] == variant]
         rows.append({"variant": variant, "step_s": statistics.median(r["step_s"] for r in picked),
+                     "busiest_cpu_s": statistics.median(r["busiest_cpu_s"] for r in picked),
                      "runs": [round(r["step_s"], 4) for r in picked], "losses": picked[0]["losses"]})  # fmt: skip
     base = next(r for r in rows if r["variant"] == "same_steps_unbalanced")
     for row in rows:
         row["time_vs_unbalanced"] = row["step_s"] / base["step_s"]
+        row["busiest_cpu_vs_unbalanced"] = row["busiest_cpu_s"] / base["busiest_cpu_s"]
     same = rows[0]["losses"] == base["losses"] or max(
         abs(a - b) / abs(b) for a, b in zip(rows[0]["losses"], base["losses"], strict=True)
     )
@@ -168,7 +182,9 @@ def main() -> None:
     write_table(args.out, "balance", [{k: v for k, v in r.items() if k != "losses"} for r in rows], meta | {
         "losses": {r["variant"]: r["losses"] for r in rows}})  # fmt: skip
     for row in rows:
-        print(f"{row['variant']:>22}: {row['step_s']:.3f} s/step ({row['time_vs_unbalanced']:.2f}x) runs {row['runs']}")
+        wall = f"{row['step_s']:.3f} s/step ({row['time_vs_unbalanced']:.2f}x) runs {row['runs']}"
+        cpu = f"{row['busiest_cpu_s']:.3f} s/step ({row['busiest_cpu_vs_unbalanced']:.2f}x)"
+        print(f"{row['variant']:>22}: {wall}; busiest rank's CPU {cpu}")
     print("balanced vs same steps unbalanced, per-step losses: relative difference", same)
     for m in model_rows:
         print(f"model dp {m['dp']} ga {m['ga']}: slowest rank / even share: balanced {m['balanced']:.3f}, "
