@@ -39,6 +39,7 @@ MOE_FAMILIES = {  # not dense per-token MLPs (tiled_mlp refuses them)
     "glm_moe_dsa": "GlmMoeDsaConfig",  # GLM-5: DSA with interleaved indexer RoPE, a layer reusing another's top-k
     "minimax_m3": "MiniMaxM3VLTextConfig",  # block-sparse attention: top-2 blocks of 4 keys per KV group
     "deepseek_v4": "DeepseekV4Config",  # window 7 + compressed entries (CSA every 2, top 4; HCA every 8), sinks, mHC
+    "hy_v4": "HYV4Config",  # HY-V4: MLA + DSA with learned sinks, hyper-connections, a layer reusing another's top-k
 }
 # Hybrid models (their linear / SSM / conv layers run exactly under SP through hf_sp_trainer.mixers). transformers'
 # own single-process forward leaks their state across position_ids-packed documents, so their references train on
@@ -147,6 +148,16 @@ FAMILY_OVERRIDES = {
         index_n_heads=16,
         index_head_dim=16,
         index_topk=6,
+        **MLA,
+    ),  # fmt: skip
+    "hy_v4": dict(
+        mlp_layer_types=["dense", "sparse"],
+        layer_types=None,
+        indexer_types=["full", "shared"],
+        index_n_heads=16,
+        index_head_dim=16,
+        index_topk=6,
+        hc_mult=2,
         **MLA,
     ),  # fmt: skip
     "minimax_m3": dict(

@@ -27,6 +27,8 @@ WORLD2 = [
     Case("ring2_glm4_moe_lite_mla", family="glm4_moe_lite", sp_overrides=RING2),
     Case("deepseek_v32_dsa_sgd_ga2", family="deepseek_v32", grad_accum=2, **SGD),  # the indexer's top-k over ranks
     Case("glm_moe_dsa_shared_topk", family="glm_moe_dsa", **SGD),  # its second layer reuses the first's top-k
+    # HY-V4: DSA with learned sinks and hyper-connections, its second layer reusing the first's top-k (eager only)
+    Case("hy_v4_dsa_sinks_sgd_ga2", family="hy_v4", attn="eager", grad_accum=2, **SGD),
     # DeepSpeed hands the optimizer zero gradients for the parameters that get none (DSA's indexer: no_grad in
     # transformers), so weight decay shrinks them; torch's optimizer skips them. Without weight decay both agree.
     Case(
@@ -51,6 +53,7 @@ WORLD4 = [
     Case("hybrid2x2_gpt_oss_sinks", **GPT_OSS, sp_size=4, world_size=4, sp_overrides=RING2),
     Case("sp4_deepseek_v3_mla", family="deepseek_v3", sp_size=4, world_size=4),
     Case("sp4_deepseek_v32_dsa", family="deepseek_v32", sp_size=4, world_size=4, **SGD),
+    Case("sp4_hy_v4_dsa_sinks", family="hy_v4", attn="eager", sp_size=4, world_size=4, **SGD),  # one head per rank
     Case("dp2sp2_glm_moe_dsa", family="glm_moe_dsa", sp_size=2, world_size=4, grad_accum=2, **SGD),
     Case("sp4_minimax_m3_block_sparse", family="minimax_m3", sp_size=4, world_size=4, **SGD),  # 2 kv heads, 4 ranks
     Case("sp4_deepseek_v4", family="deepseek_v4", attn="eager", sp_size=4, world_size=4, **SGD),
