@@ -14,13 +14,9 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from tests.pool import free_port
+
 SIDE_BY_SIDE = 2  # jobs at once on this 2-core machine: a third only queues for the cores
-
-
-def free_port() -> int:
-    from tests.pool import free_port as pool_free_port
-
-    return pool_free_port()
 
 
 def port_flags(launcher: str) -> list[str]:
