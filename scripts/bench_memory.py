@@ -162,7 +162,9 @@ def measure(opts, model_name: str, sp: int, combo: str, length: int, out_dir: st
     trainer.train()
     if auto:
         keep = getattr(model, KEEP_BUDGET_MARK)
-        record.update(kept_layers=keep.kept_layers[-1], auto_budget_mb=keep.budget / 2**20)
+        record.update(
+            kept_layers=keep.kept_layers[-1], kept_exchanges=keep.kept_exchanges[-1], auto_budget_mb=keep.budget / 2**20
+        )
     del trainer, model
     gc.collect()
     if cuda:

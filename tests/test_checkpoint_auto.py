@@ -9,12 +9,13 @@ import torch
 
 from hf_sp_trainer.integrations.memory_budget import KEPT_LAYERS_LOG, largest_over_ranks
 from hf_sp_trainer.memory.checkpointing import KEEP_BUDGET_MARK
-from hf_sp_trainer.memory.keep_budget import KeepBudget, budget_bytes, sequence_aware_kept_bytes
+from hf_sp_trainer.memory.keep_budget import KeepBudget, budget_bytes, exchange_kept_bytes, sequence_aware_kept_bytes
 from tests.harness import logged_steps, quiet_args, run_distributed, synthetic_dataset, tiny_model, unwrap_results
 
 pytestmark = pytest.mark.unit  # in-process
 
 KEEP = object()  # the context a kept layer gets
+EXCHANGE = object()  # the context of a layer keeping its all-to-all results too
 
 
 def _forward(keep: KeepBudget, layers: int, tokens: int) -> list[bool]:
@@ -48,6 +49,34 @@ def test_the_budget_decides_layer_by_layer():
     assert keep.overshoot == 100
 
 
+def _contexts(keep: KeepBudget, layers: int, tokens: int) -> list[str]:
+    keep.start_forward()
+    hidden = torch.zeros(1, tokens, 4)
+    names = {id(KEEP): "keep", id(EXCHANGE): "exchange", id(None): "none"}
+    return [names[id(keep.context_for(hidden))] for _ in range(layers)]
+
+
+def test_the_all_to_all_results_are_kept_once_every_layer_keeps_its_outputs():
+    """The second level: only where all layers keep their attention outputs, then as many as the rest holds."""
+    keep = KeepBudget(budget=1000, layer_bytes=10, keep_context=KEEP, exchange_bytes=20, exchange_context=EXCHANGE)
+    for _ in range(2):  # warm-up: nothing kept; 50 bytes per token measured, 3 layers per forward counted
+        keep.start_step(300)
+        assert _contexts(keep, 3, 4) == ["none"] * 3
+        keep.end_step(500)
+    assert keep.per_token == 50 and keep.layers == 3
+    keep.start_step(300)
+    assert _contexts(keep, 3, 4) == ["exchange"] * 3  # 500 allowed: 3 x 40 + 3 x 80 = 360
+    assert _contexts(keep, 3, 6) == ["exchange", "keep", "keep"]  # 400: 3 x 60, then 220 // 120 = 1
+    assert _contexts(keep, 3, 8) == ["keep"] * 3  # 300: 3 x 80, then 60 < 160
+    assert _contexts(keep, 3, 9) == ["keep"] * 2 + ["none"]  # 250: not every layer keeps its outputs
+    assert keep.kept_exchanges == [0, 0, 3, 1, 0, 0] and keep.kept_layers == [0, 0, 3, 3, 3, 2]
+    keep.end_step(1000)  # the largest kept set was 360 at 4 tokens: 700 predicted, 60 under the prediction
+    assert keep.overshoot == 0
+    without = KeepBudget(budget=1000, layer_bytes=10, keep_context=KEEP)  # no Ulysses: no second level
+    without.per_token, without.measured_steps, without.layers = 50, 2, 3
+    assert _contexts(without, 3, 4) == ["keep"] * 3 and without.kept_exchanges == [0]
+
+
 def test_budget_bytes_and_kept_bytes():
     assert budget_bytes(5e9, torch.device("cpu")) == 5e9
     with pytest.raises(ValueError, match="fraction of the device's memory, which only CUDA"):
@@ -56,6 +85,7 @@ def test_budget_bytes_and_kept_bytes():
         KeepBudget(0, 1.0, KEEP)
     assert sequence_aware_kept_bytes(10, 64, 2) == 1280
     assert sequence_aware_kept_bytes(10, 64, 2, ring=3) == 2560  # each ring block's output
+    assert exchange_kept_bytes(10, 64, 32, 2) == 3840  # q, k, v received and the output: (64 + 32 + 32 + 64) x 2 x 10
 
 
 def _train(tmp_path, policy: str, budget: float | None = None) -> tuple[list, dict, list]:

@@ -21,7 +21,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_sp_trainer.memory.checkpointing import MemoryCheckpoint, checkpointed_modules, wrap_checkpointed_layers
+from hf_sp_trainer.memory.checkpointing import (
+    KEEP_BUDGET_MARK,
+    MemoryCheckpoint,
+    checkpointed_modules,
+    wrap_checkpointed_layers,
+)
 from hf_sp_trainer.memory.offload import HostOffload
 from tests.harness import (
     EXACT,
@@ -239,24 +244,32 @@ def test_trl_config_activation_offloading_set_later_still_means_ours():
 # SP=2: recomputation counted, and training equivalence
 # ----------------------------------------------------------------------------------------------------------------
 def _recompute_counts(policy: str, out_dir: str) -> dict:
+    """One micro-step by hand, its ops counted. ``auto``: after two warm-up steps at learning rate 0 (the weights
+    unchanged), with a budget every layer's attention outputs and all-to-all results fit in."""
     from hf_sp_trainer import SPTrainer, TrainingArguments
 
     model = tiny_model("llama")
+    auto = AUTO | {"max_steps": 2, "learning_rate": 0.0, "logging_steps": 1} if policy == "auto" else {}
     args = TrainingArguments(
         output_dir=out_dir, sp_size=2, ddp_backend="gloo", use_cpu=True, report_to="none",
-        per_device_train_batch_size=3, checkpoint_policy=policy, **GC,
+        per_device_train_batch_size=3, **({"checkpoint_policy": policy} | auto), **GC,
     )  # fmt: skip
     trainer = SPTrainer(model=model, args=args, train_dataset=synthetic_dataset(3, seed=1))
-    model.activation_checkpointing_enable()  # as Trainer.train does first; then one micro-step by hand
     inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    if auto:
+        trainer.train()
+    model.activation_checkpointing_enable()  # as Trainer.train does first
     forward, backward, grads = _forward_backward(model.train(), inputs)
     keys = (SP_ATTENTION_OP, ALL_TO_ALL_OP, PACKED_OP)
-    return {"forward": {k: forward[k] for k in keys}, "backward": {k: backward[k] for k in keys}, "grads": grads}
+    keep = getattr(model, KEEP_BUDGET_MARK, None)
+    kept = {"layers": keep.kept_layers[-1], "exchanges": keep.kept_exchanges[-1]} if keep is not None else None
+    counts = {"forward": {k: forward[k] for k in keys}, "backward": {k: backward[k] for k in keys}}
+    return counts | {"grads": grads, "kept": kept}
 
 
 def _run_all(cases: list) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        counts = {p: _recompute_counts(p, os.path.join(tmp, p)) for p in ("full", "sequence_aware")}
+        counts = {p: _recompute_counts(p, os.path.join(tmp, p)) for p in ("full", "sequence_aware", "auto")}
     return {"counts": counts, "runs": run_cases(cases)}
 
 
@@ -281,6 +294,18 @@ def test_sequence_aware_recomputes_no_attention_but_the_all_to_all_sp2(sp_result
         for counts, expected in ((full, 2 * exchanges), (selective, 2 * exchanges)):
             assert counts["backward"][ALL_TO_ALL_OP] + counts["backward"][PACKED_OP] == expected, counts["backward"]
         assert _max_rel(selective["grads"], full["grads"]) == 0.0
+
+
+@pytest.mark.dist
+def test_auto_keeps_the_all_to_all_results_where_the_budget_allows_sp2(sp_results):
+    """``auto`` with room for its second level: no kernel and no forward exchange is replayed in the backward (only
+    the gradients' exchanges run), and the gradients are those of full checkpointing, bit for bit."""
+    for rank in sp_results:
+        full, auto = rank["counts"]["full"], rank["counts"]["auto"]
+        assert auto["kept"] == {"layers": 2, "exchanges": 2}, auto["kept"]
+        assert full["forward"] == auto["forward"] and auto["backward"][SP_ATTENTION_OP] == 0
+        assert auto["backward"][ALL_TO_ALL_OP] + auto["backward"][PACKED_OP] == 2 * 2, auto["backward"]
+        assert _max_rel(auto["grads"], full["grads"]) == 0.0
 
 
 @pytest.mark.dist

@@ -203,9 +203,15 @@ def test_auto_keeps_fewer_layers_as_rows_grow_and_none_at_the_longest():
     kept = [
         planner.auto_kept_layers(m, setting, n, budget) for n in range(step, longest + 1, longest // 16 // step * step)
     ]
-    assert kept[0][0] == m.attention_layers and planner.auto_kept_layers(m, setting, longest, budget)[0] == 0
-    assert [k for k, _ in kept] == sorted((k for k, _ in kept), reverse=True) and 0 < kept[-4][0] < m.layers
-    assert all(peak <= budget for _, peak in kept)
+    assert kept[0].kept_layers == m.attention_layers and planner.auto_kept_layers(m, setting, longest, budget)[0] == 0
+    layers = [k.kept_layers for k in kept]
+    assert layers == sorted(layers, reverse=True) and 0 < kept[-4].kept_layers < m.layers
+    assert all(k.peak <= budget for k in kept)
+    # the all-to-all results on the shortest rows, only where every layer keeps its outputs, fewer as rows grow
+    exchanges = [k.kept_exchanges for k in kept]
+    assert exchanges[0] == m.attention_layers and exchanges == sorted(exchanges, reverse=True)
+    assert all(k.kept_exchanges == 0 for k in kept if k.kept_layers < m.attention_layers)
+    assert any(0 < k.kept_exchanges < m.attention_layers for k in kept)
     sequence_aware = longest_length(m, replace(setting, checkpointing="sequence_aware"), budget)
     assert sequence_aware < longest  # what auto adds: sequence_aware's savings where they fit, full's length
     code, out = _run_cli("--model", TINY, "--gpus", "2", "--gpu-memory-gib", "1", "--device", "cpu", "--dtype",

@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     table = planner.plan_table(shape, setting, budget, args.table_zero or [0, 1, 2, 3])
     auto = None
     if args.checkpointing == "auto":
-        kept, peak = planner.auto_kept_layers(shape, setting, length, budget)
-        auto = {"kept_layers": kept, "attention_layers": shape.attention_layers, "peak": peak}
+        auto = planner.auto_kept_layers(shape, setting, length, budget)._asdict()
+        auto["attention_layers"] = shape.attention_layers
     if args.json:
         constants = {k: getattr(planner, k) for k in dir(planner) if k.isupper() and k not in ("GIB", "MIB")}
         print(json.dumps({
@@ -214,9 +214,10 @@ def main(argv: list[str] | None = None) -> int:
           + ("" if longest else " (does not fit)"))  # fmt: skip
     if auto is not None:
         kept = f"{auto['kept_layers']} of {auto['attention_layers']} attention layers"
+        exchanges = f", {auto['kept_exchanges']} of them their all-to-all results too" if auto["kept_exchanges"] else ""
         print(f"    checkpoint_policy=auto (budget {args.gpu_memory_gib:g} GiB): the breakdown is full "
-              f"checkpointing's, the first steps'; then {kept} keep their outputs at {length:,} tokens, peak "
-              f"{auto['peak'] / GIB:.2f} GiB (none at the longest length)")  # fmt: skip
+              f"checkpointing's, the first steps'; then {kept} keep their outputs{exchanges} at {length:,} tokens, "
+              f"peak {auto['peak'] / GIB:.2f} GiB (none at the longest length)")  # fmt: skip
     print(f"\n(b) longest trainable length (tokens; K = 1024; — = does not fit) on {args.gpus} x "
           f"{args.gpu_memory_gib:g} GiB, {'LoRA' if setting.lora else 'full fine-tuning'}, {setting.dtype}; "
           "columns: sp (ulysses x ring)")  # fmt: skip

@@ -1,5 +1,6 @@
 """The trainer's side of ``checkpoint_policy="auto"``: each optimizer step's memory handed to the model's
-``KeepBudget`` (``memory.keep_budget``), and how many layers kept their attention outputs in the logs.
+``KeepBudget`` (``memory.keep_budget``), and how many layers kept their attention outputs (and their all-to-all
+results) in the logs.
 
 Every rank is handed the largest figure over all ranks, so the ranks of an SP group (equal shards) keep the same
 layers: a layer that keeps its attention output skips the kernel in its recompute, and with a ring that kernel passes
@@ -16,6 +17,7 @@ from ..memory.keep_budget import KeepBudget
 from .throughput import _reset_vm_hwm, _status_mb, add_to_logs
 
 KEPT_LAYERS_LOG = "checkpoint_kept_layers"
+KEPT_EXCHANGES_LOG = "checkpoint_kept_exchanges"
 
 
 def largest_over_ranks(value: float | None, device: torch.device) -> float | None:
@@ -30,7 +32,8 @@ def largest_over_ranks(value: float | None, device: torch.device) -> float | Non
 class KeepBudgetCallback(TrainerCallback):
     """Hands ``keep`` the memory in use at every step's start and the step's peak at its end (CUDA's allocator, else
     the process's VmRSS and VmHWM; each the largest over all ranks); logs the last training forward's kept layers as
-    ``checkpoint_kept_layers``."""
+    ``checkpoint_kept_layers``, and those of them that kept their all-to-all results too as
+    ``checkpoint_kept_exchanges``."""
 
     def __init__(self, keep: KeepBudget):
         self.keep = keep
@@ -62,7 +65,8 @@ class KeepBudgetCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is not None and "loss" in logs and self.keep.kept_layers:
-            add_to_logs(state, logs, {KEPT_LAYERS_LOG: self.keep.kept_layers[-1]})
+            kept = {KEPT_LAYERS_LOG: self.keep.kept_layers[-1], KEPT_EXCHANGES_LOG: self.keep.kept_exchanges[-1]}
+            add_to_logs(state, logs, kept)
 
 
-__all__ = ["KEPT_LAYERS_LOG", "KeepBudgetCallback", "largest_over_ranks"]
+__all__ = ["KEPT_EXCHANGES_LOG", "KEPT_LAYERS_LOG", "KeepBudgetCallback", "largest_over_ranks"]

@@ -12,7 +12,9 @@ With ``activation_checkpointing`` every decoder layer runs through ``layer._grad
   memory saved per rank *grow* with sp for the same length; re-running them costs one more exchange per layer in the
   backward. Exact: saved values are the ones the recomputation would produce.
 - ``checkpoint_policy="auto"`` (with ``checkpoint_memory_budget``) keeps, forward by forward, what ``sequence_aware``
-  keeps in as many layers as the budget allows and recomputes the others (``keep_budget.KeepBudget``).
+  keeps in as many layers as the budget allows and recomputes the others; where every layer keeps that and budget
+  is left, layers also keep their all-to-all results (``exchange_keeping_policy``), so that their recomputation
+  exchanges nothing (``keep_budget.KeepBudget``).
 - ``checkpoint_offloading`` moves what the checkpoint itself saves, the layer's input hidden states, to host memory
   (``offload.HostOffload``); on CPU there is no device memory to free and it is a no-op (with a warning).
 """
@@ -30,10 +32,12 @@ from transformers.utils import logging
 
 from .. import patches
 from ..attention.ring import ring_attention_op
+from ..attention.ulysses import kv_replication
+from ..comm.all_to_all import all_to_all_op, all_to_all_packed_op
 from ..documents import current_scope, run_in_scope
 from ..model.decoder import decoder_layers, unwrap_peft
 from ..model.heads import attention_shapes
-from .keep_budget import KeepBudget, budget_bytes, sequence_aware_kept_bytes
+from .keep_budget import KeepBudget, budget_bytes, exchange_kept_bytes, sequence_aware_kept_bytes
 from .offload import HostOffload
 
 logger = logging.get_logger(__name__)
@@ -98,6 +102,25 @@ def sequence_aware_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 def sequence_aware_context_fn():
     """``context_fn`` for ``torch.utils.checkpoint.checkpoint`` (one fresh cache per checkpointed call)."""
     return create_selective_checkpoint_contexts(sequence_aware_policy)
+
+
+@functools.cache
+def exchange_ops() -> frozenset:
+    """The Ulysses all-to-alls (q, k and v in one exchange; the output back), as dispatcher ops."""
+    return frozenset({all_to_all_op._opoverload, all_to_all_packed_op._opoverload})
+
+
+def exchange_keeping_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """``sequence_aware_policy`` that also saves the all-to-alls' results (``auto``'s second level): the layer's
+    recomputation then exchanges nothing. Not inside ``recompute_region`` (the hybrid mixers recompute everything)."""
+    if not _RECOMPUTE_DEPTH[0] and op in exchange_ops():
+        return CheckpointPolicy.MUST_SAVE
+    return sequence_aware_policy(ctx, op, *args, **kwargs)
+
+
+def exchange_keeping_context_fn():
+    """``context_fn`` of a layer keeping its attention outputs and its all-to-all results."""
+    return create_selective_checkpoint_contexts(exchange_keeping_policy)
 
 
 class MemoryCheckpoint:
@@ -252,15 +275,15 @@ def checkpointed_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in decoder_layers(model) if m.gradient_checkpointing]
 
 
-def enable_checkpoint_features(model: torch.nn.Module, args, ring_size: int = 1) -> None:
+def enable_checkpoint_features(model: torch.nn.Module, args, ring_size: int = 1, ulysses_size: int = 1) -> None:
     """Wrap the checkpoint function of ``model``'s checkpointed layers as ``args`` ask (``checkpoint_policy``,
     ``checkpoint_offloading``).
 
     Transformers switches checkpointing on later (in ``Trainer.train``; PEFT / TRL may switch it on again), so the
     decoder layers are given, once, a class whose checkpoint function is always wrapped (``MemoryCheckpointedLayer``).
-    ``ring_size``: the SP ring's (``auto`` estimates the bytes a layer keeps). Raises a ``ValueError`` for an unknown
-    policy, ``auto`` without a budget, and either feature without (non-reentrant, for the policy)
-    activation checkpointing.
+    ``ring_size`` / ``ulysses_size``: the SP topology's (``auto`` estimates the bytes a layer keeps). Raises a
+    ``ValueError`` for an unknown policy, ``auto`` without a budget, and either feature without (non-reentrant, for
+    the policy) activation checkpointing.
     """
     policy, offload = getattr(args, "checkpoint_policy", "full"), getattr(args, "checkpoint_offloading", False)
     if policy not in POLICIES:
@@ -297,12 +320,12 @@ def enable_checkpoint_features(model: torch.nn.Module, args, ring_size: int = 1)
             )
     context_fn = sequence_aware_context_fn if selective else None
     if policy == "auto":
-        context_fn = keep_budget(model, args, ring_size)
+        context_fn = keep_budget(model, args, ring_size, ulysses_size)
     if context_fn is not None or hooks is not None:
         wrap_checkpointed_layers(model, context_fn, hooks)
 
 
-def keep_budget(model: torch.nn.Module, args, ring_size: int = 1) -> KeepBudget:
+def keep_budget(model: torch.nn.Module, args, ring_size: int = 1, ulysses_size: int = 1) -> KeepBudget:
     """The ``KeepBudget`` of ``model`` for ``args.checkpoint_memory_budget`` (held by the model, reset by a forward
     pre-hook at every forward); its steps' peaks come from the trainer (``integrations.memory_budget``)."""
     budget = getattr(args, "checkpoint_memory_budget", None)
@@ -313,9 +336,17 @@ def keep_budget(model: torch.nn.Module, args, ring_size: int = 1) -> KeepBudget:
         )
     shapes = attention_shapes(unwrap_peft(model).config.get_text_config())  # the widest layer's (none: no attention)
     width = max((s.heads * s.head_dim for s in shapes), default=0)
+    kv_width = max((s.kv_heads * kv_replication(s.kv_heads, ulysses_size) * s.head_dim for s in shapes), default=0)
     element = 2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else model.dtype.itemsize
     layer_bytes = sequence_aware_kept_bytes(1, width, element, ring_size)
-    keep = KeepBudget(budget_bytes(budget, args.device), layer_bytes, sequence_aware_context_fn)
+    exchanges = ulysses_size > 1  # else no all-to-all to keep
+    keep = KeepBudget(
+        budget_bytes(budget, args.device),
+        layer_bytes,
+        sequence_aware_context_fn,
+        exchange_bytes=exchange_kept_bytes(1, width, kv_width, element) if exchanges else 0.0,
+        exchange_context=exchange_keeping_context_fn if exchanges else None,
+    )
     existing = getattr(model, KEEP_BUDGET_MARK, None)
     if existing is not None:
         existing._hook.remove()

@@ -12,7 +12,13 @@ it: the first one also allocates the optimizer states), both measured by the tra
 CUDA's allocator, else the process's VmRSS / VmHWM). ``overshoot`` is the most a step that kept outputs needed beyond
 them and beyond that prediction (on CPU the peak creeps up over the first steps): a low estimate is corrected from the
 next step on. A layer's share is ``sequence_aware_kept_bytes`` (the planner's
-figure). Exact: a kept value is the one the recomputation would produce, so every choice trains identically.
+figure).
+
+A second level: where *every* layer keeps its attention outputs and budget is still left, layers also keep their
+Ulysses all-to-all results (q, k, v received, the output sent back: ``exchange_kept_bytes`` more each), as many as
+fit, so that their recomputation exchanges nothing. The all-to-alls come after the kernels because recomputing a
+kernel costs ``O(s^2)`` work and an exchange ``O(s)`` bytes. The number of layers per forward is learnt in the warm-up
+steps. Exact: a kept value is the one the recomputation would produce, so every choice trains identically.
 """
 
 from __future__ import annotations
@@ -30,16 +36,37 @@ def sequence_aware_kept_bytes(tokens: int, q_dim: int, element_bytes: int, ring:
     return q_dim * element_bytes * (ring + 1) / 2 * tokens
 
 
+def exchange_kept_bytes(tokens: int, q_dim: int, kv_dim: int, element_bytes: int) -> float:
+    """Bytes the second level keeps besides, in one attention layer for ``tokens`` local tokens: the Ulysses
+    all-to-alls' results, q, k and v (``kv_dim``: k's and v's width per token after replication for the exchange) and
+    the output (``q_dim``)."""
+    return (2 * q_dim + 2 * kv_dim) * element_bytes * tokens
+
+
 class KeepBudget:
     """Per model: which checkpointed layers of this forward keep their attention outputs (``checkpoint_policy=
-    "auto"``). ``layer_bytes``: a layer's kept bytes per local token (``sequence_aware_kept_bytes(1, ...)``)."""
+    "auto"``), and which of them their all-to-all results too. ``layer_bytes``: a layer's kept bytes per local token
+    (``sequence_aware_kept_bytes(1, ...)``); ``exchange_bytes``: the second level's, besides
+    (``exchange_kept_bytes(1, ...)``; 0 or no ``exchange_context``: no second level, e.g. without Ulysses)."""
 
     WARMUP_STEPS = 2
 
-    def __init__(self, budget: float, layer_bytes: float, keep_context: Callable):
+    def __init__(
+        self,
+        budget: float,
+        layer_bytes: float,
+        keep_context: Callable,
+        exchange_bytes: float = 0.0,
+        exchange_context: Callable | None = None,
+    ):
         if budget <= 0:
             raise ValueError(f"checkpoint_memory_budget={budget} bytes: the budget must be positive.")
         self.budget, self.layer_bytes, self.keep_context = float(budget), float(layer_bytes), keep_context
+        self.exchange_bytes, self.exchange_context = float(exchange_bytes), exchange_context
+        self.layers = 0  # checkpointed layer calls per forward (the most seen)
+        self.kept_exchanges: list[int] = []  # per training forward: how many layers kept their all-to-all results
+        self._calls = 0
+        self._exchanges_planned = 0
         self.resident = 0.0  # memory in use at the start of the current step
         self.per_token: float | None = None  # peak above ``resident`` per local token, of a step that kept nothing
         self.overshoot = 0.0
@@ -52,28 +79,47 @@ class KeepBudget:
 
     def start_forward(self) -> None:
         """A new forward (the model's forward pre-hook)."""
-        self._used, self._open = 0.0, False
+        self._used, self._open, self._calls = 0.0, False, 0
 
     def allowance(self, tokens: int) -> float:
         if self.per_token is None or self.measured_steps < self.WARMUP_STEPS:
             return 0.0
         return self.budget - self.resident - self.per_token * tokens - self.overshoot
 
+    def exchanges_fitting(self, tokens: int) -> int:
+        """How many layers of a forward keep their all-to-all results too: none unless every layer keeps its
+        attention outputs, then as many as the rest of the allowance holds."""
+        if self.exchange_context is None or self.exchange_bytes <= 0 or not self.layers:
+            return 0
+        left = self.allowance(tokens) - self.layers * self.layer_bytes * tokens
+        if left < 0:
+            return 0
+        return min(self.layers, int(left // (self.exchange_bytes * tokens)))
+
     def context_for(self, hidden_states: torch.Tensor) -> Callable | None:
-        """The checkpoint ``context_fn`` for one layer call: ``keep_context`` if the layer's outputs fit, else
-        ``None`` (recompute everything)."""
+        """The checkpoint ``context_fn`` for one layer call: ``exchange_context`` while the forward's planned second
+        level lasts, else ``keep_context`` if the layer's outputs fit, else ``None`` (recompute everything)."""
         tokens = hidden_states.numel() // hidden_states.shape[-1]
         if not self._open:  # the forward's first checkpointed layer
             self._open = True
             self.kept_layers.append(0)
+            self.kept_exchanges.append(0)
             self._step_tokens = max(self._step_tokens, tokens)
+            self._exchanges_planned = self.exchanges_fitting(tokens)
+        self._calls += 1
+        self.layers = max(self.layers, self._calls)
         need = self.layer_bytes * tokens
         if self._used + need > self.allowance(tokens):
             return None
+        context = self.keep_context
+        if self.kept_exchanges[-1] < self._exchanges_planned:
+            need += self.exchange_bytes * tokens
+            self.kept_exchanges[-1] += 1
+            context = self.exchange_context
         self._used += need
         self._step_kept = max(self._step_kept, self._used)
         self.kept_layers[-1] += 1
-        return self.keep_context
+        return context
 
     def start_step(self, resident_bytes: float | None) -> None:
         """The memory in use as an optimizer step begins (``None``: not measurable)."""
@@ -108,4 +154,4 @@ def budget_bytes(budget: float, device: torch.device) -> float:
     return budget * torch.cuda.get_device_properties(device).total_memory
 
 
-__all__ = ["KeepBudget", "budget_bytes", "sequence_aware_kept_bytes"]
+__all__ = ["KeepBudget", "budget_bytes", "exchange_kept_bytes", "sequence_aware_kept_bytes"]

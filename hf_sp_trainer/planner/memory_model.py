@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
+from typing import NamedTuple
 
-from ..memory.keep_budget import sequence_aware_kept_bytes
+from ..memory.keep_budget import exchange_kept_bytes, sequence_aware_kept_bytes
 from ..topology import split_sp_size
 from .mixers import check_modeled_layers, mixer_fixed, mixer_per_token
 from .vision import VisionShape, vision_memory
@@ -383,16 +384,34 @@ def longest_length(m: ModelShape, s: Setting, budget_bytes: float) -> int:
     return lo * step
 
 
-def auto_kept_layers(m: ModelShape, s: Setting, length: int, budget_bytes: float) -> tuple[int, float]:
-    """``checkpoint_policy="auto"`` with ``checkpoint_memory_budget=budget_bytes`` at ``length``: how many attention
-    layers keep their outputs, and the predicted peak. ``s`` with full checkpointing is where auto starts; each kept
-    layer adds what ``sequence_aware`` keeps in it, while the peak stays within the budget (``memory.keep_budget``)."""
+class AutoKeep(NamedTuple):
+    """``checkpoint_policy="auto"``'s plan for one length: layers keeping their attention outputs, those of them
+    keeping their all-to-all results too, and the predicted peak."""
+
+    kept_layers: int
+    kept_exchanges: int
+    peak: float
+
+
+def auto_kept_layers(m: ModelShape, s: Setting, length: int, budget_bytes: float) -> AutoKeep:
+    """``checkpoint_policy="auto"`` with ``checkpoint_memory_budget=budget_bytes`` at ``length``. ``s`` with full
+    checkpointing is where auto starts; each kept layer adds what ``sequence_aware`` keeps in it, while the peak stays
+    within the budget; once every attention layer keeps that, layers keep their all-to-all results too (Ulysses
+    only), as many as the rest holds (``memory.keep_budget``)."""
     full = estimate(m, replace(s, checkpointing="full"), length)
     ulysses, ring = split_sp_size(s.sp, m.heads, s.ring)
-    per_layer = sequence_aware_kept_bytes(full.local_tokens, m.q_dim, 2 if s.dtype == "bf16" else 4, ring)
+    b = 2 if s.dtype == "bf16" else 4
+    per_layer = sequence_aware_kept_bytes(full.local_tokens, m.q_dim, b, ring)
     kept = 0 if per_layer <= 0 else int(max(0.0, budget_bytes - full.peak) // per_layer)
     kept = min(kept, m.attention_layers)
-    return kept, full.peak + kept * per_layer
+    peak = full.peak + kept * per_layer
+    exchanges = 0
+    if ulysses > 1 and kept == m.attention_layers:
+        kv = math.lcm(m.kv_heads, ulysses) * m.head_dim  # after replication for the exchange
+        per_exchange = exchange_kept_bytes(full.local_tokens, m.q_dim, kv, b)
+        exchanges = min(m.attention_layers, int(max(0.0, budget_bytes - peak) // per_exchange))
+        peak += exchanges * per_exchange
+    return AutoKeep(kept, exchanges, peak)
 
 
 # The memory-stack combinations of the planner's table (Setting fields), each row adding one feature; the last row is

@@ -88,8 +88,14 @@ class SequenceParallelMixin:
                 add_throughput_callback(self)  # after DefaultFlowCallback: report_to integrations see the figures
         else:  # hybrid models keep packed documents apart at sp_size 1 too: the same training at every sp_size
             keep_documents_apart(unwrap_peft(self.model))
-        ring_size = self.sp.topology.ring_size if self.sp is not None else 1
-        enable_memory_features(self.model, self.args, lm_loss_fused=self.sp_fuses_lm_loss, ring_size=ring_size)
+        topology = self.sp.topology if self.sp is not None else None
+        enable_memory_features(
+            self.model,
+            self.args,
+            lm_loss_fused=self.sp_fuses_lm_loss,
+            ring_size=topology.ring_size if topology else 1,
+            ulysses_size=topology.ulysses_size if topology else 1,
+        )
         keep = getattr(self.model, KEEP_BUDGET_MARK, None)
         if keep is not None:  # checkpoint_policy="auto": the steps' peaks reach the model's budget
             insert_after_default_flow(self, KeepBudgetCallback(keep))
