@@ -4,8 +4,9 @@ A Llama-3.1-8B-shaped stack of 4 layers (sp 1, bf16, AdamW, tiled MLP and fused 
 ``full``, ``sequence_aware`` and ``auto`` with a budget halfway between what the first two need. Each policy's fifth
 step (a short warm-up, then four at the length: ``auto`` measures in its first two) is reported: its peak
 (``max_memory_allocated``; CPU dry run: VmHWM), its time, the layers ``auto`` kept, and how far its losses are from
-``full``'s (the policies train identically: a kept output is the recomputed one). Balanced data parallel needs two
-GPUs: not here.
+``full``'s (the policies train identically: a kept output is the recomputed one). A fourth run, ``auto_offload``, has
+a budget below full checkpointing's peak (half the layers' checkpoints less): ``auto`` then offloads that many layers'
+checkpoints to host memory (``offloaded_layers``). Balanced data parallel needs two GPUs: not here.
 """
 
 from __future__ import annotations
@@ -36,11 +37,15 @@ def auto_checks(ctx: Any, small_llama: Callable) -> dict:
     runs["sequence_aware"] = _policy_run(ctx, small_llama, shape, tokens, "sequence_aware")
     budget = runs["full"]["peak_mb"] + LAYERS / 2 * per_layer_mb  # about half the layers' outputs fit
     runs["auto"] = _policy_run(ctx, small_llama, shape, tokens, "auto", budget * 2**20) | {"budget_mb": budget}
-    for policy in ("sequence_aware", "auto"):
+    checkpoint_mb = tokens * shape["hidden_size"] * (2 if ctx.cuda else 4) / 2**20  # a layer's checkpointed input
+    low = runs["full"]["peak_mb"] - LAYERS / 2 * checkpoint_mb  # below full checkpointing: offload about half
+    runs["auto_offload"] = _policy_run(ctx, small_llama, shape, tokens, "auto", low * 2**20) | {"budget_mb": low}
+    for policy in ("sequence_aware", "auto", "auto_offload"):
         pairs = zip(runs[policy]["losses"], runs["full"]["losses"], strict=True)
         runs[policy]["loss_max_rel_vs_full"] = max(abs(a - b) / abs(b) for a, b in pairs)
     out: dict[str, Any] = {"layers": LAYERS, "tokens": tokens, "kept_mb_per_layer": per_layer_mb, "runs": runs}
     out["auto_within_budget"] = runs["auto"]["peak_mb"] <= budget
+    out["auto_offload_within_budget"] = runs["auto_offload"]["peak_mb"] <= low
     if not ctx.cuda:
         out["note"] = "CPU dry run: VmHWM peaks of a tiny model (runtime-dominated); only the wiring is checked"
     return out
@@ -79,6 +84,7 @@ def _policy_run(ctx: Any, small_llama: Callable, shape: dict, tokens: int, polic
             keep.end_step(peak * 2**20)
         steps.append({"peak_mb": peak, "step_s": seconds, "loss": loss})
     kept = keep.kept_layers[-1] if keep is not None else (0 if policy == "full" else LAYERS)
+    offloaded = keep.offloaded_layers[-1] if keep is not None and keep.offloaded_layers else 0
     if ctx.cuda:
         torch.cuda.empty_cache()
-    return {**steps[-1], "kept_layers": kept, "losses": [s["loss"] for s in steps]}
+    return {**steps[-1], "kept_layers": kept, "offloaded_layers": offloaded, "losses": [s["loss"] for s in steps]}

@@ -77,6 +77,54 @@ def test_the_all_to_all_results_are_kept_once_every_layer_keeps_its_outputs():
     assert _contexts(without, 3, 4) == ["keep"] * 3 and without.kept_exchanges == [0]
 
 
+def test_where_even_full_checkpointing_would_not_fit_layers_offload_their_checkpoint():
+    """Below full checkpointing: the first layers offload, as many as it takes (all, at worst); then the correction
+    counts the offloaded bytes back in."""
+    hooks = object()
+    keep = KeepBudget(budget=1000, layer_bytes=10, keep_context=KEEP, offload_bytes=10, offload=hooks)
+    keep.per_token, keep.measured_steps, keep.layers, keep.resident = 200, 2, 4, 300
+    hidden = torch.zeros(1, 4, 4)
+
+    def forward(tokens: int) -> list[tuple[bool, bool]]:
+        keep.start_forward()
+        hidden = torch.zeros(1, tokens, 4)
+        return [(ctx is KEEP, off is hooks) for ctx, off in (keep.decide(hidden) for _ in range(4))]
+
+    assert forward(4) == [(False, True)] * 3 + [(False, False)]  # 100 short, 40 a layer: 3 offload
+    keep.end_step(1030)  # predicted 300 + 800, less 120 offloaded: 50 over
+    assert keep.overshoot == 50 and keep.per_token == 200
+    assert forward(4) == [(False, True)] * 4  # now 150 short, with the correction: all four
+    assert forward(5) == [(False, True)] * 4  # 310 short: even all four (200) are not enough
+    assert forward(2) == [(True, False)] * 4  # 1000 - 300 - 400 - 50 = 250 left: no offload, all keep
+    assert keep.offloaded_layers == [3, 4, 4, 0] and keep.kept_layers == [0, 0, 0, 4]
+    without = KeepBudget(budget=1000, layer_bytes=10, keep_context=KEEP, offload_bytes=10)  # no hooks: no offload
+    without.per_token, without.measured_steps, without.layers, without.resident = 200, 2, 4, 300
+    without.start_forward()
+    assert without.decide(hidden) == (None, None) and without.offloaded_layers == [0]
+
+
+def test_offloaded_checkpoints_train_like_full_checkpointing():
+    """The offload the budget chooses, through the real checkpoint wrapper (host copies: CPU): the chosen layers'
+    checkpoints go to the hooks, the gradients are full checkpointing's, bit for bit."""
+    from hf_sp_trainer.memory.checkpointing import wrap_checkpointed_layers
+    from hf_sp_trainer.memory.offload import HostOffload
+
+    ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for offload in (False, True):
+        model = tiny_model("llama").train()
+        model.activation_checkpointing_enable()
+        hooks = HostOffload("cpu", min_bytes=1)
+        keep = KeepBudget(budget=1.0, layer_bytes=1.0, keep_context=KEEP, offload_bytes=1.0, offload=hooks)
+        keep.per_token, keep.measured_steps, keep.layers = (1e9, 2, 1) if offload else (0.0, 0, 0)
+        wrap_checkpointed_layers(model, keep)
+        keep.start_forward()
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert keep.offloaded_layers == [1 if offload else 0] and (hooks.packed > 0) == offload, hooks.packed
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+
+
 def test_budget_bytes_and_kept_bytes():
     assert budget_bytes(5e9, torch.device("cpu")) == 5e9
     with pytest.raises(ValueError, match="fraction of the device's memory, which only CUDA"):

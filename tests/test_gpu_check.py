@@ -108,9 +108,10 @@ def test_dry_run_report(tmp_path):
     assert length["within_tol"]
 
     auto = _ok(report, "h_auto")  # checkpoint_policy="auto" between full and sequence_aware: the same losses
-    assert set(auto["runs"]) == {"full", "sequence_aware", "auto"}
+    assert set(auto["runs"]) == {"full", "sequence_aware", "auto", "auto_offload"}
     assert auto["runs"]["full"]["kept_layers"] == 0 and 0 <= auto["runs"]["auto"]["kept_layers"] <= auto["layers"]
-    assert all(auto["runs"][p]["loss_max_rel_vs_full"] == 0.0 for p in ("sequence_aware", "auto"))  # CPU: bitwise
+    assert all(auto["runs"][p]["loss_max_rel_vs_full"] == 0.0 for p in ("sequence_aware", "auto", "auto_offload"))
+    assert auto["runs"]["auto_offload"]["offloaded_layers"] == 0  # CPU: no device memory to offload from
 
     varlen = _ok(report, "i_varlen")  # the CPU has transformers' torch delta rule only: the loop, one call a document
     assert [(r["documents"], r["mode"], r["kernel_calls"]) for r in varlen["rows"]] == [(1, "loop", 1), (8, "loop", 8)]

@@ -18,6 +18,7 @@ from .throughput import _reset_vm_hwm, _status_mb, add_to_logs
 
 KEPT_LAYERS_LOG = "checkpoint_kept_layers"
 KEPT_EXCHANGES_LOG = "checkpoint_kept_exchanges"
+OFFLOADED_LAYERS_LOG = "checkpoint_offloaded_layers"
 
 
 def largest_over_ranks(value: float | None, device: torch.device) -> float | None:
@@ -32,8 +33,9 @@ def largest_over_ranks(value: float | None, device: torch.device) -> float | Non
 class KeepBudgetCallback(TrainerCallback):
     """Hands ``keep`` the memory in use at every step's start and the step's peak at its end (CUDA's allocator, else
     the process's VmRSS and VmHWM; each the largest over all ranks); logs the last training forward's kept layers as
-    ``checkpoint_kept_layers``, and those of them that kept their all-to-all results too as
-    ``checkpoint_kept_exchanges``."""
+    ``checkpoint_kept_layers``, those of them that kept their all-to-all results too as
+    ``checkpoint_kept_exchanges``, and the layers that offloaded their checkpoint as ``checkpoint_offloaded_layers``
+    (only with offload hooks: CUDA)."""
 
     def __init__(self, keep: KeepBudget):
         self.keep = keep
@@ -66,7 +68,9 @@ class KeepBudgetCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is not None and "loss" in logs and self.keep.kept_layers:
             kept = {KEPT_LAYERS_LOG: self.keep.kept_layers[-1], KEPT_EXCHANGES_LOG: self.keep.kept_exchanges[-1]}
+            if self.keep.offload is not None:
+                kept[OFFLOADED_LAYERS_LOG] = self.keep.offloaded_layers[-1]
             add_to_logs(state, logs, kept)
 
 
-__all__ = ["KEPT_EXCHANGES_LOG", "KEPT_LAYERS_LOG", "KeepBudgetCallback", "largest_over_ranks"]
+__all__ = ["KEPT_EXCHANGES_LOG", "KEPT_LAYERS_LOG", "OFFLOADED_LAYERS_LOG", "KeepBudgetCallback", "largest_over_ranks"]

@@ -133,14 +133,15 @@ class MemoryCheckpoint:
 
     def __call__(self, function, *args, **kwargs):
         function = functools.partial(run_in_scope, current_scope(), function)
-        context_fn = self.context_fn
-        if isinstance(context_fn, KeepBudget):  # auto: this call keeps or recomputes, as the budget allows
-            context_fn = context_fn.context_for(_hidden_states(args, kwargs))
+        context_fn, offload = self.context_fn, self.offload
+        if isinstance(context_fn, KeepBudget):  # auto: this call keeps, recomputes or offloads, as the budget allows
+            context_fn, chosen = context_fn.decide(_hidden_states(args, kwargs))
+            offload = offload or chosen
         if context_fn is not None:
             kwargs["context_fn"] = context_fn
-        if self.offload is None:
+        if offload is None:
             return self.inner(function, *args, **kwargs)
-        with torch.autograd.graph.saved_tensors_hooks(self.offload.pack, self.offload.unpack):
+        with torch.autograd.graph.saved_tensors_hooks(offload.pack, offload.unpack):
             return self.inner(function, *args, **kwargs)
 
 
@@ -319,15 +320,19 @@ def enable_checkpoint_features(model: torch.nn.Module, args, ring_size: int = 1,
                 "memory. Training proceeds without offloading."
             )
     context_fn = sequence_aware_context_fn if selective else None
-    if policy == "auto":
-        context_fn = keep_budget(model, args, ring_size, ulysses_size)
+    if policy == "auto":  # it may offload where even full checkpointing won't fit (CUDA, unless every layer does)
+        chosen = HostOffload() if torch.cuda.is_available() and not offload else None
+        context_fn = keep_budget(model, args, ring_size, ulysses_size, offload=chosen)
     if context_fn is not None or hooks is not None:
         wrap_checkpointed_layers(model, context_fn, hooks)
 
 
-def keep_budget(model: torch.nn.Module, args, ring_size: int = 1, ulysses_size: int = 1) -> KeepBudget:
+def keep_budget(
+    model: torch.nn.Module, args, ring_size: int = 1, ulysses_size: int = 1, offload: HostOffload | None = None
+) -> KeepBudget:
     """The ``KeepBudget`` of ``model`` for ``args.checkpoint_memory_budget`` (held by the model, reset by a forward
-    pre-hook at every forward); its steps' peaks come from the trainer (``integrations.memory_budget``)."""
+    pre-hook at every forward); its steps' peaks come from the trainer (``integrations.memory_budget``).
+    ``offload``: the hooks it may offload a layer's checkpoint with (``None``: it never offloads)."""
     budget = getattr(args, "checkpoint_memory_budget", None)
     if budget is None:
         raise ValueError(
@@ -346,6 +351,8 @@ def keep_budget(model: torch.nn.Module, args, ring_size: int = 1, ulysses_size: 
         sequence_aware_context_fn,
         exchange_bytes=exchange_kept_bytes(1, width, kv_width, element) if exchanges else 0.0,
         exchange_context=exchange_keeping_context_fn if exchanges else None,
+        offload_bytes=unwrap_peft(model).config.get_text_config().hidden_size * element,  # a layer's input
+        offload=offload,
     )
     existing = getattr(model, KEEP_BUDGET_MARK, None)
     if existing is not None:

@@ -18,12 +18,20 @@ A second level: where *every* layer keeps its attention outputs and budget is st
 Ulysses all-to-all results (q, k, v received, the output sent back: ``exchange_kept_bytes`` more each), as many as
 fit, so that their recomputation exchanges nothing. The all-to-alls come after the kernels because recomputing a
 kernel costs ``O(s^2)`` work and an exchange ``O(s)`` bytes. The number of layers per forward is learnt in the warm-up
-steps. Exact: a kept value is the one the recomputation would produce, so every choice trains identically.
+steps.
+
+Below full checkpointing: where the allowance is negative (even keeping nothing would not fit) and offload hooks are
+given (CUDA, without ``checkpoint_offloading``, which offloads every layer), the first layers of the forward move
+their checkpointed inputs to host memory (``offload_bytes`` per token each), as many as it takes to fit. Exact: a kept
+value is the one the recomputation would produce, an offloaded one comes back unchanged, so every choice trains
+identically.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -58,11 +66,16 @@ class KeepBudget:
         keep_context: Callable,
         exchange_bytes: float = 0.0,
         exchange_context: Callable | None = None,
+        offload_bytes: float = 0.0,
+        offload: Any = None,
     ):
         if budget <= 0:
             raise ValueError(f"checkpoint_memory_budget={budget} bytes: the budget must be positive.")
         self.budget, self.layer_bytes, self.keep_context = float(budget), float(layer_bytes), keep_context
         self.exchange_bytes, self.exchange_context = float(exchange_bytes), exchange_context
+        self.offload_bytes, self.offload = float(offload_bytes), offload  # offload: saved-tensor hooks (HostOffload)
+        self.offloaded_layers: list[int] = []  # per training forward: how many layers offloaded their checkpoint
+        self._offloads_planned = 0
         self.layers = 0  # checkpointed layer calls per forward (the most seen)
         self.kept_exchanges: list[int] = []  # per training forward: how many layers kept their all-to-all results
         self._calls = 0
@@ -73,7 +86,8 @@ class KeepBudget:
         self.measured_steps = 0
         self.kept_layers: list[int] = []  # per training forward: how many layers kept their outputs
         self._used = 0.0
-        self._step_kept = 0.0
+        self._step_kept: float | None = None  # the most a forward of this step kept, net of what it offloaded
+        self._kept_before_forward: float | None = None
         self._step_tokens = 0
         self._open = False
 
@@ -96,30 +110,57 @@ class KeepBudget:
             return 0
         return min(self.layers, int(left // (self.exchange_bytes * tokens)))
 
+    def offloads_needed(self, tokens: int) -> int:
+        """How many layers of a forward offload their checkpointed inputs: where even keeping nothing would not fit,
+        as many as it takes (all, if that is not enough either); none without hooks."""
+        if self.offload is None or self.offload_bytes <= 0 or not self.layers:
+            return 0
+        short = -self.allowance(tokens)
+        return 0 if short <= 0 else min(self.layers, math.ceil(short / (self.offload_bytes * tokens)))
+
     def context_for(self, hidden_states: torch.Tensor) -> Callable | None:
-        """The checkpoint ``context_fn`` for one layer call: ``exchange_context`` while the forward's planned second
-        level lasts, else ``keep_context`` if the layer's outputs fit, else ``None`` (recompute everything)."""
+        """The checkpoint ``context_fn`` for one layer call (``decide``'s first half)."""
+        return self.decide(hidden_states)[0]
+
+    def decide(self, hidden_states: torch.Tensor) -> tuple[Callable | None, Any]:
+        """For one layer call: the checkpoint ``context_fn`` (``exchange_context`` while the forward's planned second
+        level lasts, else ``keep_context`` if the layer's outputs fit, else ``None``: recompute everything) and the
+        offload hooks for its checkpoint (while the forward's planned offloads last, else ``None``)."""
         tokens = hidden_states.numel() // hidden_states.shape[-1]
         if not self._open:  # the forward's first checkpointed layer
             self._open = True
             self.kept_layers.append(0)
             self.kept_exchanges.append(0)
+            self.offloaded_layers.append(0)
             self._step_tokens = max(self._step_tokens, tokens)
             self._exchanges_planned = self.exchanges_fitting(tokens)
+            self._offloads_planned = self.offloads_needed(tokens)
+            self._kept_before_forward = self._step_kept
         self._calls += 1
         self.layers = max(self.layers, self._calls)
+        offload = None
+        if self.offloaded_layers[-1] < self._offloads_planned:
+            self.offloaded_layers[-1] += 1
+            self._used -= self.offload_bytes * tokens
+            self._note_kept()
+            offload = self.offload
         need = self.layer_bytes * tokens
         if self._used + need > self.allowance(tokens):
-            return None
+            return None, offload
         context = self.keep_context
         if self.kept_exchanges[-1] < self._exchanges_planned:
             need += self.exchange_bytes * tokens
             self.kept_exchanges[-1] += 1
             context = self.exchange_context
         self._used += need
-        self._step_kept = max(self._step_kept, self._used)
+        self._note_kept()
         self.kept_layers[-1] += 1
-        return context
+        return context, offload
+
+    def _note_kept(self) -> None:
+        """The step's net kept bytes: the most any of its forwards holds at its end (this one: so far)."""
+        before = self._kept_before_forward
+        self._step_kept = self._used if before is None else max(before, self._used)
 
     def start_step(self, resident_bytes: float | None) -> None:
         """The memory in use as an optimizer step begins (``None``: not measurable)."""
@@ -127,17 +168,17 @@ class KeepBudget:
             self.resident = float(resident_bytes)
 
     def end_step(self, peak_bytes: float | None) -> None:
-        """The step's measured peak (``None``: not measurable): a step that kept nothing sets ``per_token``; in one
-        that kept, what the peak held besides the kept outputs above the prediction raises ``overshoot`` (it never
-        falls: the estimate only grows more careful)."""
+        """The step's measured peak (``None``: not measurable): a step that kept and offloaded nothing sets
+        ``per_token``; in one that did, what the peak held besides the kept outputs (plus the offloaded checkpoints)
+        above the prediction raises ``overshoot`` (it never falls: the estimate only grows more careful)."""
         if peak_bytes is not None and self._step_tokens:
             self.measured_steps += 1
-            if self._step_kept == 0:
+            if self._step_kept is None:
                 self.per_token = max(0.0, peak_bytes - self.resident) / self._step_tokens
-            elif self.per_token is not None:  # what the step needed besides the kept outputs, above the prediction
+            elif self.per_token is not None:  # what the step needed besides its net kept bytes, above the prediction
                 predicted = self.resident + self.per_token * self._step_tokens
                 self.overshoot = max(self.overshoot, peak_bytes - self._step_kept - predicted)
-        self._step_kept, self._step_tokens = 0.0, 0
+        self._step_kept, self._step_tokens = None, 0
 
 
 def budget_bytes(budget: float, device: torch.device) -> float:
