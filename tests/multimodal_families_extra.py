@@ -1,9 +1,9 @@
-"""Kimi-K2.5, dots3-note, Mistral-Large-4 and MiniMax-M3-VL in the multimodal matrix: their tiny configs and their
-processors' media layouts.
+"""Kimi-K2.5, dots3-note, Mistral-Large-4, MiniMax-M3-VL, HY-V4-VL and GLM-5-Next in the multimodal matrix: their
+tiny configs and their processors' media layouts.
 
-Both have 1-D positions (no ``get_rope_index``) and merge one feature row per placeholder from ``image_grid_thw`` /
-``video_grid_thw`` grids; their text decoders are those of the text family suite (``tests/family_harness.py``'s
-tiny configs), with their length settings brought under the rows here.
+All but HY-V4-VL have 1-D positions (no ``get_rope_index``); all merge one feature row per placeholder from
+``image_grid_thw`` / ``video_grid_thw`` grids; their text decoders are those of the text family suite
+(``tests/family_harness.py``'s tiny configs), with their length settings brought under the rows here.
 
 - Kimi-K2.5 (``Kimi_K25ForConditionalGeneration``): a DeepSeek-V3 decoder (MLA, MoE after a dense first layer). Its
   tower takes ``[patches, 3, 2, 2]`` pixels; an image of ``h x w`` patches is ``h * w / 4`` placeholders (2 x 2
@@ -19,11 +19,17 @@ tiny configs), with their length settings brought under the rows here.
 - MiniMax-M3-VL (``MiniMaxM3SparseForConditionalGeneration``): a ``minimax_m3_vl_text`` decoder with block-sparse
   selection (``BLOCK``, under the documents' lengths; Ulysses only); a Conv3d tower, one frame per temporal patch
   here, so its pixel rows and placeholders are dots3-note's.
+- HY-V4-VL (``HYV4VLForConditionalGeneration``): a ``hy_v4_vl_text`` decoder, HY-V4's (MLA, DSA top-``INDEX_TOPK``,
+  learned sinks, hyper-connections, a layer reusing the first's top-k; Ulysses only) with interleaved mrope positions
+  (its own ``get_rope_index``); its tower takes dots3-note's ``[patches, 12]`` pixel rows (one frame per grid row,
+  videos through the same path) and merges each frame 2 x 2 with a newline feature ending every merged row:
+  ``t * h/2 * (w/2 + 1)`` placeholders.
 
-GLM-5-Next (``Glm5NextForConditionalGeneration``) stays refused: its ``glm5_next_text`` decoder's DSA indexer scores
-k-pools of ``index_kpool`` tokens counted from the row's first token, which ``attention/dsa.py`` does not
-implement (``check_sequence_mixers`` refuses its ``Glm5NextTextAttention``), and its video placeholders are image
-tokens told apart by the video start / end tokens around them, which a shard may not hold.
+- GLM-5-Next (``Glm5NextForConditionalGeneration``): a ``glm5_next_text`` decoder of KDA layers and pooled DSA layers
+  (its indexer scores pools of ``index_kpool`` keys, counted under SP from each document's start: transformers counts
+  them from the row's; ``attention/pooled_dsa.py``), NoPE, hyper-connections, MoE; dots3-note's pixel rows and
+  placeholders. Images only: its video frames are image tokens told apart by the video start / end tokens around them
+  (``VIDEO_SPAN``), which a shard need not hold, so SP refuses its videos (``multimodal/features.py``).
 """
 
 from __future__ import annotations
@@ -47,6 +53,10 @@ PIXTRAL_FAMILIES = {"mistral_large4": "MistralLarge4ForConditionalGeneration"}  
 ULYSSES_ONLY = {"dots3_note": "DeepSeek sparse attention runs under Ulysses SP only (a ring is refused)"}
 ULYSSES_ONLY["mistral_large4"] = ULYSSES_ONLY["dots3_note"]
 ULYSSES_ONLY["minimax_m3_vl"] = "MiniMax-M3's block-sparse attention runs under Ulysses SP only (a ring is refused)"
+FAMILIES["hy_v4_vl"] = "HYV4VLForConditionalGeneration"  # HY-V4's DSA with sinks and hyper-connections, mrope
+ULYSSES_ONLY["hy_v4_vl"] = ULYSSES_ONLY["dots3_note"]
+FAMILIES["glm5_next"] = "Glm5NextForConditionalGeneration"  # pooled DSA (NoPE) + KDA, hyper-connections, MoE
+ULYSSES_ONLY["glm5_next"] = ULYSSES_ONLY["dots3_note"]
 BLOCK = dict(index_block_size=4, index_topk_blocks=2, index_local_blocks=1)  # MiniMax-M3: top-2 blocks of 4 keys
 
 
@@ -120,8 +130,54 @@ def minimax_m3_vl_config(topk_blocks: int = BLOCK["index_topk_blocks"]):
                              projector_hidden_size=32)  # fmt: skip
 
 
+def hy_v4_vl_config(topk: int = INDEX_TOPK):
+    """HY-V4-VL: the text family suite's HY-V4 decoder (MLA; DSA, top-``topk`` keys per query, on layers 0 and 2,
+    layer 1 reusing layer 0's; learned sinks, drawn large by the harness; 4 hyper-connection streams; MoE after a
+    dense layer) with mrope over its 4 rotary frequencies (t, h, w, t), and a 2-layer tower projecting to its width."""
+    from transformers import HYV4VLConfig
+
+    from tests.family_harness import tiny_config
+
+    text = {k: v for k, v in tiny_config("hy_v4").to_dict().items() if k not in ("model_type", "transformers_version")}
+    text |= {"index_topk": topk, "output_router_logits": False}
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, patch_size=2,
+                  spatial_merge_size=2, max_image_size=16, out_hidden_size=64)  # fmt: skip
+    return HYV4VLConfig(text_config=text, vision_config=vision, image_token_id=IMG, video_token_id=VID)
+
+
+POOL = dict(index_topk=8, index_kpool=4)  # GLM-5-Next: the best 2 pools of 4 keys per query, and its own pool's tail
+VIDEO_SPAN = (126, 127)  # GLM-5-Next's <|begin_of_video|> / <|end_of_video|> (its video frames: image tokens)
+
+
+def glm5_next_config(topk: int = POOL["index_topk"]):
+    """GLM-5-Next: a ``glm5_next_text`` decoder of Kimi delta attention (KDA) layers and pooled DSA layers (NoPE: no
+    positional embedding; the best ``topk / 4`` pools of 4 keys, counted from each document's start, plus the
+    query's own incomplete pool), the second DSA layer reusing the first's top-k; 2 hyper-connection streams; MoE
+    after a dense layer; a Qwen2-VL-like tower (one frame per temporal patch: ``[patches, 12]`` pixel rows,
+    ``t * h * w / 4`` placeholders per grid)."""
+    from transformers import Glm5NextConfig
+
+    text = dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=0,
+        qk_nope_head_dim=16, v_head_dim=16, index_n_heads=8, index_head_dim=16, index_kpool=POOL["index_kpool"],
+        index_topk=topk, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, linear_head_dim=16,
+        linear_num_heads=4, hc_mult=2, pad_token_id=0, max_position_embeddings=512,
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+        indexer_types=["full", "full", "shared", "full"], mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+    )  # fmt: skip
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=2, spatial_merge_size=2,
+                  temporal_patch_size=1, image_size=16, out_hidden_size=64)  # fmt: skip
+    vision["projection_intermediate_size"] = 64
+    return Glm5NextConfig(
+        text_config=text, vision_config=vision, image_token_id=IMG, video_token_id=VID, image_start_token_id=VSTART,
+        image_end_token_id=VEND, video_start_token_id=VIDEO_SPAN[0], video_end_token_id=VIDEO_SPAN[1],
+    )  # fmt: skip
+
+
 CONFIGS = {"kimi_k25": kimi_k25_config, "dots3_note": dots3_note_config, "mistral_large4": mistral_large4_config}
-CONFIGS["minimax_m3_vl"] = minimax_m3_vl_config
+CONFIGS |= {"minimax_m3_vl": minimax_m3_vl_config, "hy_v4_vl": hy_v4_vl_config, "glm5_next": glm5_next_config}
 
 
 def extra_medium(
@@ -140,7 +196,8 @@ def extra_medium(
             ids += [int(torch.randint(3, IMG, (1,), generator=g)), VSTART] + [VID] * (h * w // 4) + [VEND]
         pixels = torch.randn(t * TEMPORAL * h * w, 3, 2, 2, generator=g)
         return ids, pixels, torch.tensor([[TEMPORAL, h, w]] * t)
-    ids = [VSTART] + [token] * (t * h * w // 4) + [VEND]
+    newline = family == "hy_v4_vl"  # HY-V4-VL: each merged row of a frame ends with a newline placeholder
+    ids = [VSTART] + [token] * (t * (h // 2) * (w // 2 + newline)) + [VEND]
     return ids, torch.randn(t * h * w, 3 * 2 * 2, generator=g), torch.tensor([[t, h, w]])
 
 
@@ -160,7 +217,7 @@ def dots3_note_reference_gaps(layout: str) -> dict[str, float]:
 
 def selection_reference_gap(family: str, layout: str) -> float:
     """Negative control: how far the reference (each document alone) moves when the family's top-k (Mistral-Large-4's
-    keys, MiniMax-M3-VL's blocks) is taken out of reach of the rows (10**6: everything selected)."""
+    and HY-V4-VL's keys, MiniMax-M3-VL's blocks) is taken out of reach of the rows (10**6: everything selected)."""
     from tests.multimodal_harness import LAYOUTS, _instantiate_vlm, make_examples, reference, worst_error
 
     examples = make_examples(LAYOUTS[layout], family)

@@ -22,6 +22,9 @@ from tests.harness import worst_error
 from tests.multimodal_families_extra import CONFIGS as EXTRA_CONFIGS
 from tests.multimodal_families_extra import FAMILIES as EXTRA_FAMILIES
 from tests.multimodal_families_extra import PIXTRAL_FAMILIES, extra_medium
+from tests.multimodal_families_mrope import CONFIGS as MROPE_CONFIGS
+from tests.multimodal_families_mrope import FAMILIES as MROPE_FAMILIES
+from tests.multimodal_families_mrope import FRAMES_APART, OWN_LAYOUT, mrope_medium, mrope_token_types
 from tests.multimodal_llama4 import forward_logits, llama4_config, llama4_image, with_return_dict
 
 VOCAB = tiny_vlm.VOCAB
@@ -75,6 +78,7 @@ FAMILIES = {
     "llama4": "Llama4ForConditionalGeneration",
     **EXTRA_FAMILIES,  # Kimi-K2.5 and dots3-note: tests/multimodal_families_extra.py
     **PIXTRAL_FAMILIES,  # Mistral-Large-4: Pixtral's images, a DSA decoder (tests/multimodal_families_extra.py)
+    **MROPE_FAMILIES,  # ERNIE-4.5-VL and Qwen4-Exp: tests/multimodal_families_mrope.py
 }
 GEMMA4 = ("gemma4", "gemma4_causal")  # h x w patches of 2 x 2 pixels (positions, -1 = padding), pooled 2 x 2
 PIXTRAL = ("mistral3", "lighton_ocr", *PIXTRAL_FAMILIES)  # images of any size, [IMG_BREAK] rows
@@ -418,7 +422,7 @@ def build_vlm(family: str = "qwen2_vl", seed: int = 0, crossed: bool = False):
     configs |= {"llava_next_video": llava_next_video_config, "paddleocr_vl": paddleocr_vl_config}
     configs["qianfan_ocr"] = functools.partial(internvl_config, "qianfan_ocr")
     configs |= {f: functools.partial(gemma4_config, f) for f in GEMMA4} | {"llama4": llama4_config}
-    configs |= EXTRA_CONFIGS
+    configs |= EXTRA_CONFIGS | MROPE_CONFIGS
     config = configs[family]() if family in configs else qwen_vl_config(family)
     model = _instantiate_vlm(family, config, seed)
     model.crossed_settings = {}
@@ -435,10 +439,10 @@ def _instantiate_vlm(family: str, config, seed: int):
     import transformers
 
     from tests.family_harness import unit_scale_temperature
-    from tests.harness import weak_decay
+    from tests.harness import init_large_sinks, weak_decay
 
     torch.manual_seed(seed)
-    attn = "eager" if family == "got_ocr2" else "sdpa"  # GOT-OCR2 refuses sdpa at the top level
+    attn = "eager" if family in ("got_ocr2", "hy_v4_vl") else "sdpa"  # they refuse sdpa (HY-V4-VL: its sinks)
     model = getattr(transformers, FAMILIES[family])._from_config(config, attn_implementation=attn, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
@@ -447,6 +451,7 @@ def _instantiate_vlm(family: str, config, seed: int):
             model.model.vision_tower.patch_embedder.position_embedding_table.normal_()
     unit_scale_temperature(model)  # Gemma4's tower and decoder: scale-1 attention, q / k norms at 1 / sqrt(head_dim)
     weak_decay(model)  # hybrids: a state that reaches across the shards
+    init_large_sinks(model, seed)  # HY-V4-VL: its decoder's attention sinks drawn large, as the text suite's
     return model.eval()
 
 
@@ -456,7 +461,7 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
     ``<t> <vision_start> ... <vision_end>`` run, GLM-4V's at the image token; LLaVA: a whole image per medium)."""
     from hf_sp_trainer.collators.multimodal import MODALITY_TYPE
 
-    frames_apart = family.startswith("qwen3") or family in GLM
+    frames_apart = family.startswith("qwen3") or family in GLM or family in FRAMES_APART
     g = torch.Generator().manual_seed(seed)
     out = []
     for doc in docs:
@@ -495,8 +500,9 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
                     if modality == "video":
                         example_frames.append(t)
                     continue
-                if family in EXTRA_FAMILIES:  # Kimi-K2.5, dots3-note: tests/multimodal_families_extra.py
-                    run, medium, grid = extra_medium(family, modality, (t, h, w), g)
+                if family in EXTRA_FAMILIES or family in OWN_LAYOUT:  # multimodal_families_extra / _mrope.py
+                    medium_of = extra_medium if family in EXTRA_FAMILIES else mrope_medium
+                    run, medium, grid = medium_of(family, modality, (t, h, w), g)
                     ids += run
                     token = IMG if modality == "image" else VID
                     types += [MODALITY_TYPE[modality] if x == token else 0 for x in ids[len(types) :]]
@@ -546,6 +552,7 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
                     pixels[modality].append(torch.randn(t * h * w, PATCH_DIM, generator=g))
                 grids[modality].append(torch.tensor([[t, h, w]]))
         example = {"input_ids": torch.tensor(ids), "mm_token_type_ids": torch.tensor(types)}
+        example |= mrope_token_types(family, example["input_ids"])  # ERNIE-4.5-VL: its experts' token types
         if family == "gemma3":  # its processor's token_type_ids: 1 at the image tokens (they drive its image mask)
             example["token_type_ids"] = (torch.tensor(ids) == IMG).long()
         if family in TILED and pixels["image"]:  # [images, patches, 3, 8, 8], zero-padded as the processor
@@ -605,12 +612,12 @@ def reference(model, examples: list[dict]) -> tuple[float, dict[str, torch.Tenso
     total = 0.0
     for ex in examples:
         ids = ex["input_ids"][None]
-        media = {k: v for k, v in ex.items() if k not in ("input_ids", "mm_token_type_ids", "token_type_ids")}
+        per_token = ("token_type_ids", "moe_mm_token_type_ids")  # Gemma3: its image mask; ERNIE-4.5-VL: its experts
+        media = {k: v for k, v in ex.items() if k not in ("input_ids", "mm_token_type_ids", *per_token)}
         base = vlm_base(model)
         if hasattr(base, "get_rope_index") or type(base).__name__ == "Gemma4Model":  # mrope / its mask
             media["mm_token_type_ids"] = ex["mm_token_type_ids"][None]
-        if "token_type_ids" in ex:  # Gemma3: each image's tokens see each other
-            media["token_type_ids"] = ex["token_type_ids"][None]
+        media |= {k: ex[k][None] for k in per_token if k in ex}
         logits = forward_logits(model, input_ids=ids, **media)
         labels = F.pad(ids[:, 1:], (0, 1), value=-100)
         total = total + F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")

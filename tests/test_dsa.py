@@ -14,6 +14,7 @@ from transformers.models.deepseek_v32 import modeling_deepseek_v32 as v32
 from transformers.models.dots3_note import modeling_dots3_note as dots3
 from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
 from transformers.models.hy_v4 import modeling_hy_v4 as hy_v4
+from transformers.models.hy_v4_vl import modeling_hy_v4_vl as hy_v4_vl
 
 from hf_sp_trainer.attention import dsa
 from hf_sp_trainer.attention.dsa import PROJECTIONS, document_causal, document_ids, selected_attention, sp_index_topk
@@ -33,7 +34,7 @@ def _selected(picks: torch.Tensor, bounds: torch.Tensor, seq: int) -> torch.Tens
 
 
 INDEXERS = [v32.DeepseekV32Indexer, glm.GlmMoeDsaIndexer, axk2.AXK2Indexer, dots3.Dots3NoteTextIndexer]
-INDEXERS += [hy_v4.HYV4Indexer]
+INDEXERS += [hy_v4.HYV4Indexer, hy_v4_vl.HYV4VLIndexer]
 
 
 @pytest.mark.parametrize("cls", INDEXERS, ids=lambda c: c.__name__)
@@ -123,6 +124,20 @@ def test_checks_pass_and_catch_what_they_guard():
             self.config._attn_implementation = key
 
     assert not _dsa_attention_ok.__wrapped__(v32.DeepseekV32Attention, eager_only)
+
+
+def test_hy_v4_vl_indexer_check_catches_the_text_rope(monkeypatch):
+    """HY-V4-VL's indexer is HY-V4's but for its RoPE (interleaved pairs, in fp32): its projection computed with the
+    text module's half-split RoPE fails its check."""
+    indexer = hy_v4_vl.HYV4VLIndexer
+
+    def half_split_rope(module, *args):
+        with monkeypatch.context() as m:
+            m.setattr(hy_v4_vl, "apply_rotary_pos_emb", hy_v4.apply_rotary_pos_emb)
+            return dsa.hy_v4_projection(module, *args)
+
+    monkeypatch.setitem(PROJECTIONS, indexer.__name__, half_split_rope)
+    assert not _dsa_indexer_ok.__wrapped__(indexer, indexer.forward)
 
 
 def test_the_top_k_matters_in_the_tiny_models():
@@ -222,3 +237,35 @@ def test_hy_v4_gap_is_round_off():
     for errors in run_distributed(2, float64_errors, "hy_v4", "HYV4ForCausalLM", True):
         assert isinstance(errors, dict), errors
         assert 1e-9 < errors["fp32"] <= EXACT and errors["fp64"] < 1e-11, errors
+
+
+def test_pooled_checks_pass_and_catch_what_they_guard(monkeypatch):
+    """GLM-5-Next's checks pass on the installed classes, and fail for pools counted from the row's start (what
+    transformers does on a packed row), for a selection without the query's own pool's tail, and for an attention
+    that does not return its top-k to the layer reusing it."""
+    from transformers.models.glm5_next import modeling_glm5_next as g5
+
+    from hf_sp_trainer.attention import pooled_dsa
+    from hf_sp_trainer.mixers import pooled_dsa_checks as checks
+
+    indexer, attention = g5.Glm5NextTextIndexer, g5.Glm5NextTextAttention
+    indexer_ok, attention_ok = checks.pooled_indexer_ok.__wrapped__, checks.pooled_attention_ok.__wrapped__
+    assert indexer_ok(indexer, indexer.forward) and attention_ok(attention, attention.forward)
+    pools = pooled_dsa.document_pools
+    with monkeypatch.context() as m:
+        m.setattr(pooled_dsa, "document_pools", lambda starts, ends, size, device: pools([0], ends[-1:], size, device))
+        assert not indexer_ok(indexer, indexer.forward)
+    topk = checks.sp_pooled_topk
+
+    def no_tail(indexer, *args):
+        out = topk(indexer, *args)
+        out[..., indexer.index_topk :] = -1
+        return out
+
+    with monkeypatch.context() as m:
+        m.setattr(checks, "sp_pooled_topk", no_tail)
+        assert not indexer_ok(indexer, indexer.forward)
+    forward = checks.glm5_next_attention_forward
+    with monkeypatch.context() as m:
+        m.setattr(checks, "glm5_next_attention_forward", lambda *a, **k: (*forward(*a, **k)[:2], None))
+        assert not attention_ok(attention, attention.forward)

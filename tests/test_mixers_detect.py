@@ -33,6 +33,8 @@ EXACT = {
     "mistral_large4_text": "MistralLarge4TextModel",  # DSA, queries scaled by document position (no causal LM)
     "minimax_m3_vl_text": "MiniMaxM3VLForCausalLM",  # block top-k: its indexer swapped (attention/block_sparse.py)
     "hy_v4": "HYV4ForCausalLM",  # DSA with sinks, hyper-connections, shared top-k layers
+    "hy_v4_vl_text": "HYV4VLTextModel",  # HY-V4-VL's decoder: the same, its own classes (no causal LM)
+    "glm5_next_text": "Glm5NextTextModel",  # pooled DSA (attention/pooled_dsa.py) and KDA layers (no causal LM)
     "deepseek_v4": "DeepseekV4ForCausalLM",  # window + compressed entries: its attention's forward swapped
 }
 

@@ -128,6 +128,23 @@ SP2 = [
     # MiniMax-M3-VL: block-sparse selection (top-2 blocks of 4 keys per KV group plus the local one; Ulysses only)
     Case("minimax_m3_vl", "mixed"),
     Case("minimax_m3_vl", "padded"),
+    # HY-V4-VL: mrope; HY-V4's DSA (top-5 keys, a layer reusing another's), sinks, hyper-connections (Ulysses only).
+    # Its fp32 gap (up to 8e-6, a hyper-connection gradient summed with cancellation) is 1e-14 in float64
+    Case("hy_v4_vl", "mixed"),
+    Case("hy_v4_vl", "padded"),
+    # tests/multimodal_families_mrope.py: ERNIE-4.5-VL (experts per modality by moe_mm_token_type_ids; videos' frames
+    # merged in pairs; "images": an image across the sp-2 boundary) and Qwen4-Exp (Gated DeltaNet, top-2 blocks of 4
+    # by its QSA indexer on mrope positions, PLE n-grams; Ulysses only)
+    Case("ernie4_5_vl_moe", "mixed"),
+    Case("ernie4_5_vl_moe", "padded"),
+    Case("ernie4_5_vl_moe", "images", ring=2),
+    Case("ernie4_5_vl_moe", "padded", ring=2),
+    Case("ernie4_5_vl_moe", "many", split=True),  # a video's feature rows: its frames merged in pairs
+    Case("qwen4_exp", "mixed"),
+    Case("qwen4_exp", "padded"),
+    # GLM-5-Next: pooled DSA (the best 2 pools of 4 keys from each document's start, the query's own pool's tail; a
+    # layer reusing the first's selection) with KDA layers, NoPE; images only (its videos are refused under SP)
+    Case("glm5_next", "images"),
 ]
 SP4 = [
     Case("qwen2_vl", "mixed", ring=2),
@@ -189,6 +206,16 @@ SP4 = [
     Case("mistral_large4", "padded"),
     Case("minimax_m3_vl", "mixed"),
     Case("minimax_m3_vl", "padded"),
+    Case("hy_v4_vl", "mixed"),
+    Case("hy_v4_vl", "padded"),
+    Case("ernie4_5_vl_moe", "mixed"),
+    Case("ernie4_5_vl_moe", "padded", ring=2),
+    Case("ernie4_5_vl_moe", "images", ring=4),
+    Case("qwen4_exp", "mixed"),
+    Case("qwen4_exp", "padded"),
+    # GLM-5-Next: pooled DSA (the best 2 pools of 4 keys from each document's start, the query's own pool's tail; a
+    # layer reusing the first's selection) with KDA layers, NoPE; images only (its videos are refused under SP)
+    Case("glm5_next", "images"),
 ]
 
 
@@ -246,7 +273,8 @@ def test_layouts_cover_the_hard_places() -> None:
     pairs = [("qwen2_vl", "mixed"), ("internvl", "mixed"), ("llava_next", "mixed"), ("mistral3", "mixed")]
     pairs += [("glm4v", "images"), ("gemma3", "mixed"), ("aya_vision", "mixed"), ("lighton_ocr", "mixed")]
     pairs += [("gemma4", "mixed"), ("llama4", "mixed"), ("kimi_k25", "mixed"), ("dots3_note", "mixed")]
-    pairs += [("minimax_m3_vl", "mixed")]
+    pairs += [("minimax_m3_vl", "mixed"), ("ernie4_5_vl_moe", "images"), ("qwen4_exp", "mixed")]
+    pairs += [("hy_v4_vl", "mixed"), ("glm5_next", "images")]
     for family, layout in [*pairs, ("glm4v", "videos")]:
         row = SPMultimodalCollator(build_vlm(family))(make_examples(LAYOUTS[layout], family))["input_ids"][0]
         half = len(row) // 2 + len(row) % 2
@@ -279,6 +307,11 @@ TRAINER_CASES = {
     "qwen3_5_moe_router_loss_sp2_ga2": ("qwen3_5_moe", 2, 2, None, False, False, True),  # hybrid + MoE
     # chunks of 8, the NoPE temperature, a MoE layer; its forward's tuple path (tests/multimodal_llama4.py)
     "llama4_sp2_ring2_ga2": ("llama4", 2, 2, 2, False, False, False),
+    # selecting attentions (Ulysses only): Mistral-Large-4's DSA (top-5 keys; RoPE, NoPE, shared-top-k and
+    # kv-sharing layers; its router has no load-balancing loss), MiniMax-M3-VL's blocks (top-2 of 4 keys plus the
+    # local one) with its MoE router loss
+    "mistral_large4_sp2_ga2": ("mistral_large4", 2, 2, None, False, False, False),
+    "minimax_m3_vl_router_loss_sp2_ga2": ("minimax_m3_vl", 2, 2, None, False, False, True),
 }
 
 
@@ -305,6 +338,7 @@ def test_sp_trainer_matches_trainer(name: str) -> None:
         for a, b in zip(got[key], ref[key], strict=True):
             assert abs(a - b) <= EXACT * abs(b), (key, got[key], ref[key])
     weights = params_rel(got["params"], ref["params"])
+    print(name, "losses", got["losses"], ref["losses"], "weights", f"{weights:.2e}")
     assert weights <= EXACT, weights
 
 
@@ -377,6 +411,11 @@ def test_collator_checks_placeholders_against_grids() -> None:
     example["image_position_ids"][0, 15] = -1  # one real patch fewer: 15 // 4 = 3 features
     with pytest.raises(ValueError, match=r"4 image placeholder tokens but its image_position_ids with \[15\] real"):
         SPMultimodalCollator(gemma4)([example])
+    hy = build_vlm("hy_v4_vl")  # HY-V4-VL: 2 merged rows of 2 + 1 (a newline) placeholders; without the newlines
+    example = make_examples(LAYOUTS["mixed"][:1], "hy_v4_vl")[0]
+    example["input_ids"] = torch.cat([example["input_ids"][:5], example["input_ids"][7:]])
+    with pytest.raises(ValueError, match=r"4 image placeholder tokens but its image_grid_thw \[\[1, 4, 4\]\] gives 6"):
+        SPMultimodalCollator(hy)([example])
 
 
 def test_collator_pads_llava_next_tiles_across_examples() -> None:
@@ -488,21 +527,53 @@ def test_only_proven_vlms_pass_the_checks() -> None:
     decoder refuses a ring (``ULYSSES_ONLY``: refused before any collective)."""
     from hf_sp_trainer.model.vlm import VERIFIED, vlm_base
     from hf_sp_trainer.validate import validate_model_for_sp
-    from tests.multimodal_families_extra import ULYSSES_ONLY
+    from tests.multimodal_families_extra import ULYSSES_ONLY as EXTRA_ULYSSES_ONLY
+    from tests.multimodal_families_mrope import ULYSSES_ONLY as MROPE_ULYSSES_ONLY
     from tests.multimodal_harness import FAMILIES, classify_vlms
+
+    ulysses_only = EXTRA_ULYSSES_ONLY | MROPE_ULYSSES_ONLY
 
     rows = classify_vlms()
     accepted = {cls for _, cls, status, _ in rows if status == "exact"}  # glmga's class is GLM-4.6V's
     assert accepted == set(FAMILIES.values()), (accepted, set(FAMILIES.values()))
     ringed = {FAMILIES[c.family] for c in SP2 + SP4 if c.ring}
-    ringless = {FAMILIES[f] for f in ULYSSES_ONLY}
+    ringless = {FAMILIES[f] for f in ulysses_only}
     assert accepted <= {FAMILIES[c.family] for c in SP2} and accepted - ringless <= ringed, (accepted, ringed)
-    for family in ULYSSES_ONLY:
+    for family in ulysses_only:
         with pytest.raises(ValueError, match="runs under Ulysses SP only"):
             validate_model_for_sp(build_vlm(family), 2, ring_size=2)
     bases = {type(vlm_base(build_vlm(f))).__name__ for f in FAMILIES}  # Llama-4's VLM is its own base
     assert bases == set(VERIFIED), (bases, VERIFIED)
     assert {t for t, _, s, _ in rows if s == "refused"} >= {"paligemma", "janus"}
+
+
+def _glm5_next_video(sp_size: int) -> str:
+    import torch.distributed as dist
+
+    from hf_sp_trainer import SPMultimodalCollator, apply_sequence_parallel
+
+    dist.init_process_group("gloo")
+    model = build_vlm("glm5_next")
+    batch = SPMultimodalCollator(model)(make_examples(LAYOUTS["images"], "glm5_next"))
+    batch |= {"pixel_values_videos": torch.randn(16, 12), "video_grid_thw": torch.tensor([[1, 4, 4]])}
+    with apply_sequence_parallel(model, sp_size) as sp:
+        try:
+            model(**sp.shard_batch(batch))
+        except ValueError as exc:
+            return str(exc)
+    return "no error"
+
+
+@pytest.mark.dist
+def test_glm5_next_videos_are_refused_on_every_rank() -> None:
+    """GLM-5-Next's video frames are image tokens inside video start / end spans that a shard need not hold: a batch
+    with videos is refused on every rank, before any collective (nothing hangs)."""
+    from hf_sp_trainer.model.vlm import span_marked_video
+
+    assert span_marked_video(build_vlm("glm5_next")) == (126, 127)
+    assert all(span_marked_video(build_vlm(f)) is None for f in ("glm4v", "qwen2_vl", "ernie4_5_vl_moe"))
+    for message in unwrap_results(run_distributed(2, _glm5_next_video, 2)):
+        assert "video frames are image tokens" in message and "sp_size=1" in message, message
 
 
 @pytest.mark.parametrize("family", ["paligemma"])
@@ -619,17 +690,67 @@ def test_dots3_note_length_settings_act() -> None:
 
 
 @pytest.mark.dist  # in-process, but four VLM references: off the unit tier's budget, as dots3-note's
-@pytest.mark.parametrize("family", ["mistral_large4", "minimax_m3_vl"])
+@pytest.mark.parametrize("family", ["mistral_large4", "minimax_m3_vl", "hy_v4_vl", "glm5_next"])
 def test_selection_top_k_acts(family: str) -> None:
-    """Negative control for the Mistral-Large-4 (top-5 keys) and MiniMax-M3-VL (top-2 blocks of 4) cases: the
-    reference moves far beyond the tolerance when the top-k is taken out of reach of the rows, so an SP run matching
-    it at 1e-5 honours it."""
+    """Negative control for the Mistral-Large-4 and HY-V4-VL (top-5 keys), MiniMax-M3-VL (top-2 blocks of 4) and
+    GLM-5-Next (the best 2 pools of 4) cases: the reference moves far beyond the tolerance when the top-k is taken
+    out of reach of the rows, so an SP run matching it at 1e-5 honours it."""
     from tests.multimodal_families_extra import selection_reference_gap
 
-    for layout in ("mixed", "padded"):
+    for layout in ("images",) if family == "glm5_next" else ("mixed", "padded"):
         gap = selection_reference_gap(family, layout)
         print(family, layout, f"{gap:.2e}")
         assert gap > 1e-2, (family, layout, gap)
+
+
+# -- ERNIE-4.5-VL and Qwen4-Exp (tests/multimodal_families_mrope.py) --------------------------------------------
+@pytest.mark.dist  # in-process, but six VLM references: off the unit tier's budget, as dots3-note's
+def test_mrope_family_settings_act() -> None:
+    """Negative controls for the ERNIE-4.5-VL and Qwen4-Exp cases: the reference moves far beyond the tolerance when
+    ERNIE-4.5-VL's moe_mm_token_type_ids are left out (every token to its text experts) and when Qwen4-Exp's QSA
+    budget is taken out of reach of the rows, so SP runs matching them at 1e-5 route and select as the model does."""
+    from tests.multimodal_families_mrope import qsa_reference_gap, vision_experts_gap
+
+    for layout in ("mixed", "padded"):
+        gaps = {"experts": vision_experts_gap(layout), "qsa": qsa_reference_gap(layout)}
+        print(layout, {k: f"{v:.2e}" for k, v in gaps.items()})
+        assert min(gaps.values()) > 1e-2, (layout, gaps)
+
+
+def test_collator_packs_per_token_inputs_and_merged_frames() -> None:
+    """ERNIE-4.5-VL: its processor's ``moe_mm_token_type_ids`` packed like ``input_ids`` (zeros for an example without
+    them, a length mismatch refused; TRL's processor output carried by ``SPVisionSFTCollator``), a model not taking
+    them gets none; its videos' placeholders counted with frames merged in pairs (``t * h * w / 4 / 2``), by the
+    collator and by split media's units."""
+    from hf_sp_trainer import SPMultimodalCollator
+    from hf_sp_trainer.collators.multimodal import SPVisionSFTCollator
+    from hf_sp_trainer.multimodal.media_split import media_layout
+
+    model = build_vlm("ernie4_5_vl_moe")
+    collator = SPMultimodalCollator(model)
+    many = collator(make_examples(LAYOUTS["many"], "ernie4_5_vl_moe"))
+    assert media_layout(model.model, "video", many, 5).features == [4, 1]  # (2, 4, 4) and (2, 2, 2) videos
+    examples = make_examples(LAYOUTS["mixed"], "ernie4_5_vl_moe")
+    whole = torch.cat([ex["moe_mm_token_type_ids"] for ex in examples])
+    assert torch.equal(collator(examples)["moe_mm_token_type_ids"][0], whole) and whole.eq(2).any()
+    rows = ("input_ids", "moe_mm_token_type_ids")  # a processor's batch of one: these [1, seq], the media as they are
+    processed = [ex | {k: ex[k][None] for k in rows} | {"attention_mask": torch.ones(1, len(ex["input_ids"]))}
+                 for ex in make_examples(LAYOUTS["padded"], "ernie4_5_vl_moe")]  # fmt: skip
+    trl_like = SPVisionSFTCollator(lambda batch: batch[0] | {"labels": batch[0]["input_ids"]}, collator)
+    carried = trl_like(processed)["moe_mm_token_type_ids"][0]
+    assert torch.equal(carried, torch.cat([p["moe_mm_token_type_ids"][0] for p in processed])), carried
+    n = len(examples[0]["input_ids"])
+    del examples[0]["moe_mm_token_type_ids"]
+    assert torch.equal(collator(examples)["moe_mm_token_type_ids"][0], torch.cat([torch.zeros(n).long(), whole[n:]]))
+    examples[0]["moe_mm_token_type_ids"] = torch.zeros(n + 1)
+    with pytest.raises(ValueError, match=f"{n} input_ids but {n + 1} moe_mm_token_type_ids"):
+        collator(examples)
+    video = {k: v for k, v in examples[2].items() if k != "moe_mm_token_type_ids"}  # a (2, 4, 4) video: 4 tokens
+    video["input_ids"] = torch.cat([video["input_ids"], torch.tensor([121])])
+    with pytest.raises(ValueError, match=r"5 video placeholder tokens but its video_grid_thw \[\[2, 4, 4\]\] gives 4"):
+        collator([video])
+    qwen = make_examples(LAYOUTS["mixed"], "qwen4_exp")
+    assert "moe_mm_token_type_ids" not in SPMultimodalCollator(build_vlm("qwen4_exp"))(qwen)
 
 
 # -- TRL's vision SFT format ------------------------------------------------------------------------------------

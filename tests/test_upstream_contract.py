@@ -56,6 +56,8 @@ AXK2 = "transformers.models.axk2.modeling_axk2"
 DOTS3 = "transformers.models.dots3_note.modeling_dots3_note"
 M3 = "transformers.models.minimax_m3_vl.modeling_minimax_m3_vl"
 ML4 = "transformers.models.mistral_large4.modeling_mistral_large4"
+HY4, HY4VL = "transformers.models.hy_v4.modeling_hy_v4", "transformers.models.hy_v4_vl.modeling_hy_v4_vl"
+G5N = "transformers.models.glm5_next.modeling_glm5_next"
 INDEXER = ("n_heads", "head_dim", "qk_rope_head_dim", "index_topk", "wq_b", "wk", "k_norm", "weights_proj")
 GRPO, RLOO = "trl.trainer.grpo_trainer.GRPOTrainer", "trl.trainer.rloo_trainer.RLOOTrainer"
 SFT, DPO, KTO, REWARD = (
@@ -152,6 +154,27 @@ CONTRACT: list[Member] = [
                            (GLM5, "GlmMoeDsa", "apply_rotary_pos_emb_interleave"),
                            (AXK2, "AXK2", "apply_rotary_pos_emb"),
                            (DOTS3, "Dots3NoteText", "apply_rotary_pos_emb_interleave"))),
+    *(Member(f"{m}.{cls}Attention.forward",
+             "mixers/swap.py swaps it (behaviour-checked): a mask placeholder; its sinks and shared top-k passed on",
+             params=("self", "hidden_states", "position_embeddings", "attention_mask", "cache"),
+             refers=("indexer", "attention_mask", "sparse_indices", "topk_indices", "sinks", "prev_topk_indices"))
+      for m, cls in ((HY4, "HYV4"), (HY4VL, "HYV4VL"))),
+    *(Member(f"{m}.{cls}Indexer.forward", "mixers/swap.py swaps it; attention/dsa.py recomputes it (hy_v4_projection)",
+             params=("self", "hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids",
+                     "cache"), refers=(*INDEXER, "apply_rotary_pos_emb", "softmax_scale"))
+      for m, cls in ((HY4, "HYV4"), (HY4VL, "HYV4VL"))),
+    Member(f"{G5N}.Glm5NextTextAttention.forward",
+           "mixers/selection.py swaps it; attention/pooled_dsa.py runs its projections under SP (behaviour-checked)",
+           params=("self", "hidden_states", "attention_mask", "cache", "prev_topk_indices"),
+           refers=("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "expand_kv",
+                   "indexer", "build_attention_mask_from_topk", "o_proj", "scaling", "next_skip_topk")),
+    Member(f"{G5N}.Glm5NextTextIndexer.forward",
+           "mixers/selection.py swaps it; attention/pooled_dsa.py recomputes its pools (sp_pooled_topk)",
+           params=("self", "hidden_states", "q_resid", "attention_mask", "cache"),
+           refers=("wq_b", "wk", "k_norm", "weights_proj", "index_kpool_compress_gate", "get_pooled_states",
+                   "append_visible_tail", "softmax_scale", "index_topk", "index_kpool")),
+    Member(f"{G5N}.Glm5NextTextIndexer.get_pooled_states", "attention/pooled_dsa.py pool_keys computes its pools",
+           params=("self", "packed_states"), refers=("index_kpool_compress_ape", "softmax", "index_kpool")),
     Member(f"{ML4}.MistralLarge4TextAttention.forward",
            "mixers/swap.py swaps it (behaviour-checked): a mask placeholder; its top-k returned for a shared layer",
            params=("self", "hidden_states", "position_embeddings", "attention_mask", "shared_kv_states", "position_ids",

@@ -77,8 +77,9 @@ def v32_projection(indexer: torch.nn.Module, hidden_states, q_resid, position_em
 
 
 def hy_v4_projection(indexer: torch.nn.Module, hidden_states, q_resid, position_embeddings):
-    """``HYV4Indexer.forward``'s: RoPE on the *last* ``qk_rope_head_dim`` dims, the key norm in its own (fp32) dtype,
-    the softmax scale folded into the head weights (so the scores are scaled by 1)."""
+    """``HYV4Indexer.forward``'s (and ``HYV4VLIndexer``'s: its module's RoPE, interleaved): RoPE on the *last*
+    ``qk_rope_head_dim`` dims, the key norm in its own (fp32) dtype, the softmax scale folded into the head weights (so
+    the scores are scaled by 1)."""
     rope = sys.modules[type(indexer).__module__].apply_rotary_pos_emb
     b, s, _ = hidden_states.shape
     heads, dim, rot = indexer.n_heads, indexer.head_dim, indexer.qk_rope_head_dim
@@ -101,6 +102,7 @@ PROJECTIONS: dict[str, Callable] = {
     "AXK2Indexer": functools.partial(v32_projection, rope="apply_rotary_pos_emb"),
     "Dots3NoteTextIndexer": functools.partial(v32_projection, rope="apply_rotary_pos_emb_interleave"),
     "HYV4Indexer": hy_v4_projection,
+    "HYV4VLIndexer": hy_v4_projection,
 }
 
 
@@ -195,11 +197,12 @@ def selected_attention(
 
 
 def selected_positions(indices: torch.Tensor, seq: int) -> torch.Tensor:
-    """``[b, 1, rows, seq]`` bool: the keys at the whole-sequence positions ``indices`` (``[b, rows, k]``) picks."""
+    """``[b, 1, rows, seq]`` bool: the keys at the whole-sequence positions ``indices`` (``[b, rows, k]``) picks; a
+    ``-1`` picks nothing (GLM-5-Next pads its selections with it)."""
     b, rows, _ = indices.shape
-    return torch.zeros(b, rows, seq, dtype=torch.bool, device=indices.device).scatter_(-1, indices.long(), True)[
-        :, None
-    ]
+    safe = indices.long().masked_fill(indices < 0, seq)  # into a column dropped below
+    picked = torch.zeros(b, rows, seq + 1, dtype=torch.bool, device=indices.device).scatter_(-1, safe, True)
+    return picked[:, None, :, :seq]
 
 
 def _attend_tile(q, k, v, selection, docs, sinks, start: int, scale: float, dropout: float, keep) -> torch.Tensor:

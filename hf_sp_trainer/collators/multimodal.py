@@ -8,11 +8,23 @@ from typing import Any
 
 import torch
 
-from ..model.vlm import PADDING_POSITION, PIXELS, rope_index, shared_placeholder, token_ids, uses_mrope, vlm_base
+from ..model.vlm import (
+    PADDING_POSITION,
+    PIXELS,
+    rope_index,
+    shared_placeholder,
+    temporal_merge,
+    token_ids,
+    uses_mrope,
+    vlm_base,
+)
 from ..sharding import IGNORE_INDEX, MEDIA_KEYS
 
 TOKEN_KEYS = ("input_ids", "labels", "mm_token_type_ids")
 MODALITY_TYPE = {"image": 1, "video": 2}  # mm_token_type_ids: text 0, image 1, video 2
+# Per-token inputs of some base models, from their processors, packed like input_ids where the base's forward takes
+# them (zeros for an example without): ERNIE-4.5-VL's moe_mm_token_type_ids (which tokens its vision experts take)
+PER_TOKEN_KEYS = ("moe_mm_token_type_ids",)
 
 
 class SPMultimodalCollator:
@@ -20,7 +32,8 @@ class SPMultimodalCollator:
     ``image_grid_thw``, ...) into one row.
 
     - ``input_ids`` / ``labels`` / ``mm_token_type_ids`` are concatenated; each document's first label is ``-100``
-      (``token_type_ids`` for a model that takes those instead: Gemma3, whose image mask they drive);
+      (``token_type_ids`` for a model that takes those instead: Gemma3, whose image mask they drive); so are the
+      ``PER_TOKEN_KEYS`` the model takes;
     - media tensors are concatenated in the same order, so the k-th placeholder of the row is the k-th feature row;
     - positions restart per document: the model's own ``get_rope_index`` on each document alone, with a text row
       in front (``[4, 1, S]``), for multimodal-rope models (Qwen-VL, GLM-4V); ``[1, S]`` otherwise (LLaVA-style).
@@ -37,16 +50,18 @@ class SPMultimodalCollator:
         self._mrope = uses_mrope(model)
         vision = getattr(model.config, "vision_config", None)
         self._merge = getattr(vision, "spatial_merge_size", None)
+        self._newline = _row_newline(base)  # HY-V4-VL: one more placeholder per merged row of patches
         self._pooling = getattr(vision, "pooling_kernel_size", None)  # Gemma4: patches pooled k x k per feature
         forward = inspect.signature(type(base).forward).parameters
         takes_plain = "token_type_ids" in forward and "mm_token_type_ids" not in forward
         self._types_key = "token_type_ids" if takes_plain else "mm_token_type_ids"  # Gemma3: its image mask's
+        self.token_keys = (*TOKEN_KEYS, *(k for k in PER_TOKEN_KEYS if k in forward))
 
     def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
         docs = [self._document(f) for f in features if len(f["input_ids"])]
         if not docs:
             raise ValueError("SPMultimodalCollator received a batch in which every example is empty.")
-        batch = {key: torch.cat([d[key] for d in docs]).unsqueeze(0) for key in TOKEN_KEYS}
+        batch = {key: torch.cat([d[key] for d in docs]).unsqueeze(0) for key in self.token_keys}
         batch["position_ids"] = torch.cat([d["position_ids"] for d in docs], dim=-1)
         _check_image_counts(docs)
         for key in MEDIA_KEYS:
@@ -63,6 +78,11 @@ class SPMultimodalCollator:
         labels[0] = IGNORE_INDEX  # no document predicts the next one
         media = {k: torch.as_tensor(feature[k]) for k in MEDIA_KEYS if feature.get(k) is not None}
         doc = {"input_ids": ids, "labels": labels, "mm_token_type_ids": self._types(ids, media)} | media
+        for key in self.token_keys[len(TOKEN_KEYS) :]:
+            value = feature.get(key)
+            doc[key] = torch.zeros_like(ids) if value is None else torch.as_tensor(value, dtype=torch.long).flatten()
+            if len(doc[key]) != len(ids):
+                raise ValueError(f"An example has {len(ids)} input_ids but {len(doc[key])} {key}.")
         self._check_grids(doc)
         doc["position_ids"] = self._positions(doc)
         return doc
@@ -83,13 +103,16 @@ class SPMultimodalCollator:
         return types
 
     def _check_grids(self, doc: dict[str, Any]) -> None:
-        """Each document's placeholders match its grids (``t * h * w / merge**2`` tokens per image / video) or its
-        patch positions (Gemma4: ``patches / k**2`` per image / frame, padding patches at -1)."""
+        """Each document's placeholders match its grids (``t * h * w / merge**2`` tokens per image / video,
+        ERNIE-4.5-VL's videos ``/ temporal_merge``; HY-V4-VL's ``+ t * h / merge`` row newlines) or its patch
+        positions (Gemma4: ``patches / k**2`` per image / frame, padding patches at -1)."""
         for modality in self.token_ids:
             grid, positions = doc.get(f"{modality}_grid_thw"), doc.get(f"{modality}_position_ids")
             if self._merge:
                 name, shown = f"{modality}_grid_thw", [] if grid is None else grid.tolist()
-                rows = 0 if grid is None else int((grid.prod(-1) // self._merge**2).sum())
+                per_row = self._merge**2 * temporal_merge(self._base.config, modality)  # ERNIE-4.5-VL: frame pairs
+                rows = 0 if grid is None else int((grid.prod(-1) // per_row).sum())
+                rows += 0 if grid is None else self._newline * int((grid[:, 0] * (grid[:, 1] // self._merge)).sum())
             elif self._pooling:
                 real = [] if positions is None else (positions != PADDING_POSITION).all(-1).sum(-1).tolist()
                 name, shown = f"{modality}_position_ids", f"with {real} real patches"
@@ -113,6 +136,14 @@ class SPMultimodalCollator:
             return text.expand(4, 1, n).clone()  # text only: every row counts 0, 1, ...
         inputs = doc | {"mm_token_type_ids": doc["mm_token_type_ids"][None]}
         return torch.cat([text, rope_index(self._base, doc["input_ids"][None], inputs)])  # [4, 1, n]
+
+
+def _row_newline(base: torch.nn.Module) -> int:
+    """1 where the vision tower's patch merger ends every merged row with a learned newline feature (a module with
+    ``spatial_merge_size`` and an ``image_newline`` parameter: HY-V4-VL, ``h / merge`` rows of ``w / merge + 1``
+    placeholders per frame), else 0."""
+    mergers = (m for m in base.modules() if hasattr(m, "spatial_merge_size"))
+    return int(any(isinstance(getattr(m, "image_newline", None), torch.nn.Parameter) for m in mergers))
 
 
 def _check_image_counts(docs: list[dict[str, Any]]) -> None:
@@ -161,5 +192,6 @@ class SPVisionSFTCollator:
             one = self.processor_collator([dict(example)])  # a copy: TRL's collator rewrites "image" in place
             keep = one["attention_mask"][0].bool()
             feature = {k: one[k][0][keep] for k in ("input_ids", "labels")}
+            feature |= {k: one[k][0][keep] for k in PER_TOKEN_KEYS if one.get(k) is not None}
             features.append(feature | {k: one[k] for k in MEDIA_KEYS if one.get(k) is not None})
         return self.packer(features)

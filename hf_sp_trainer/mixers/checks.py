@@ -23,6 +23,7 @@ from .check_parts import close, dispatch_device, on_device, random_module, rotar
 from .lightning import lightning_forward
 from .mamba2 import run_decay, step_sizes
 from .ple_checks import ngram_ok, ple_conv_ok
+from .pooled_dsa_checks import pooled_attention_ok, pooled_indexer_ok
 from .positional_dsa_checks import positional_attention_ok, positional_indexer_ok
 from .qsa_checks import qsa_attention_ok, qsa_indexer_ok
 from .rg_lru import recurrent_block_forward
@@ -172,8 +173,10 @@ def _dsa_parts(cls: type):
     indexer heads: no score ties at the 4th place), ``cls(config, 0)`` with random weights, its rotary embedding."""
     modeling = sys.modules[cls.__module__]
     family = cls.__name__.removesuffix("Attention").removesuffix("Indexer")  # e.g. Dots3NoteText
-    config_cls = getattr(modeling, f"{family}Config", None) or next(
-        v for k, v in vars(modeling).items() if k.endswith("Config") and isinstance(v, type)
+    config_cls = (  # a VLM's decoder (HY-V4-VL): its text config
+        getattr(modeling, f"{family}TextConfig", None)
+        or getattr(modeling, f"{family}Config", None)
+        or next(v for k, v in vars(modeling).items() if k.endswith("Config") and isinstance(v, type))
     )
     sizes = dict(
         hidden_size=32, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=8,
@@ -182,6 +185,8 @@ def _dsa_parts(cls: type):
     )  # fmt: skip
     if "layer_types" in getattr(config_cls, "__dataclass_fields__", {}):  # Dots3-Note: DSA on its indexed layers
         sizes["layer_types"] = ["indexed_attention"]
+    if "mrope_section" in getattr(config_cls, "ignore_keys_at_rope_validation", ()):  # t / h / w over 2 frequencies
+        sizes["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 0]}
     config = config_cls(**sizes)
     config._attn_implementation = "eager"  # HY-V4's sinks: eager only
     module, rotary = random_module(cls, config), rotary_embedding(cls, config)
@@ -253,6 +258,10 @@ _MODULE_CHECKS: dict[str, Callable[[type, Callable], bool]] = {
     "AXK2Indexer": _dsa_indexer_ok,
     "HYV4Attention": _dsa_attention_ok,
     "HYV4Indexer": _dsa_indexer_ok,
+    "HYV4VLAttention": _dsa_attention_ok,
+    "HYV4VLIndexer": _dsa_indexer_ok,
+    "Glm5NextTextAttention": pooled_attention_ok,  # pooled_dsa_checks.py
+    "Glm5NextTextIndexer": pooled_indexer_ok,
     "Dots3NoteTextAttention": _dsa_attention_ok,
     "Dots3NoteTextIndexer": _dsa_indexer_ok,
     "MistralLarge4TextAttention": positional_attention_ok,  # positions, NoPE, shared top-k: positional_dsa_checks

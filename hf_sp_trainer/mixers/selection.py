@@ -16,6 +16,7 @@ import torch
 from ..attention.block_sparse import m3_projection, sp_block_topk
 from ..attention.deepseek_v4 import v4_attention_forward
 from ..attention.dsa import INDICES_KWARG, POSITIONAL_PROJECTIONS, PROJECTIONS, placeholder_mask, sp_index_topk
+from ..attention.pooled_dsa import glm5_next_attention_forward, pooled_projection, sp_pooled_topk
 from ..attention.qsa import qsa_projection, sp_qsa_select
 from ..documents import (
     BOUNDS_KWARG,
@@ -131,6 +132,53 @@ def positional_indexer_entry(original: Callable) -> Callable:
 
 
 M3_ROW_SLOTS = "transformers' block selection anchors its key blocks at the row's slots, not at each document's start"
+POOLS_FROM_ROW_START = "transformers' pooled indexer counts its pools from the row's first token, not each document's"
+
+
+def pooled_attention_entry(original: Callable) -> Callable:
+    """GLM-5-Next's attention (``Glm5NextTextAttention``): under SP ``attention.pooled_dsa.glm5_next_attention_forward``
+    (its top-k handed to SP's attention as ``indices=``, where transformers builds a dense mask of the rank's own
+    keys), with SP's kwargs as the scope its indexer reads; transformers' own otherwise."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, attention_mask, cache=None, prev_topk_indices=None, **kwargs):
+        sp = selection_sp(kwargs, type(self).__name__)
+        if sp is None:
+            return original(
+                self, hidden_states=hidden_states, attention_mask=attention_mask, cache=cache,
+                prev_topk_indices=prev_topk_indices, **kwargs,
+            )  # fmt: skip
+        scope = (*current_scope(), {k: kwargs[k] for k in (BOUNDS_KWARG, SP_KWARG)})
+        return run_in_scope(
+            scope, glm5_next_attention_forward, self, hidden_states, attention_mask=attention_mask, cache=cache,
+            prev_topk_indices=prev_topk_indices, **kwargs,
+        )  # fmt: skip
+
+    return forward
+
+
+def pooled_indexer_entry(original: Callable) -> Callable:
+    """GLM-5-Next's pooled indexer (``Glm5NextTextIndexer``), called without SP's kwargs: under SP (the scope its
+    attention set) the whole sequence's pooled top-k, pools counted from each document's start
+    (``attention.pooled_dsa.sp_pooled_topk``); transformers' own otherwise (at sp_size 1 only on rows of one
+    document)."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, q_resid, attention_mask, cache=None):
+        sp = selection_sp({}, type(self).__name__)
+        if sp is None:
+            refuse_packed_rows_at_sp1(type(self).__name__, hidden_states.shape[0], POOLS_FROM_ROW_START)
+            return original(
+                self, hidden_states=hidden_states, q_resid=q_resid, attention_mask=attention_mask, cache=cache
+            )
+        if cache is not None:
+            raise ValueError(f"{type(self).__name__} under sequence parallelism runs without a cache.")
+        bounds, topology = sp
+        with torch.no_grad():
+            projected = pooled_projection(self, hidden_states, q_resid)
+        return sp_pooled_topk(self, projected, bounds, topology.sp_group, topology.sp_rank)
+
+    return forward
 
 
 def block_indexer_entry(original: Callable) -> Callable:

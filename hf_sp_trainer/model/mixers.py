@@ -57,6 +57,8 @@ SP_ATTENTIONS = (
     "Dots3NoteTextAttention",
     "MistralLarge4TextAttention",  # queries scaled by document position; NoPE and shared layers
     "HYV4Attention",  # its per-head sinks; shared layers reuse the full layer's top-k
+    "HYV4VLAttention",  # HY-V4-VL's decoder: HY-V4's maths, mrope positions, interleaved RoPE
+    "Glm5NextTextAttention",  # GLM-5-Next: pools of keys from each document's start, no RoPE (attention/pooled_dsa.py)
     "Qwen4ExpTextAttention",  # query-sparse: top blocks of pooled keys plus its own block's tail (attention/qsa.py)
     "DeepseekV4Attention",  # window + compressed entries (CSA's picked by its indexer), sinks: attention/deepseek_v4.py
 )
@@ -67,6 +69,8 @@ SP_INDEXERS = (
     "Dots3NoteTextIndexer",
     "MistralLarge4TextIndexer",
     "HYV4Indexer",
+    "HYV4VLIndexer",
+    "Glm5NextTextIndexer",
     "Qwen4ExpTextQSAIndexer",
 )  # their indexers, swapped with them
 # Attentions with a top-k selection whose forward runs as installed (it hands the selection to SP's attention as a

@@ -25,6 +25,12 @@ def feature_rows(level) -> torch.Tensor:
     return torch.cat(list(level)) if isinstance(level, (list, tuple)) else level
 
 
+def temporal_merge(config, modality: str) -> int:
+    """Frames merged into each feature row of a video beyond its grid (ERNIE-4.5-VL's resampler: the vision config's
+    ``temporal_merge_size``, ``t * h * w / merge**2 / 2`` rows); 1 for images and for every other family."""
+    return getattr(getattr(config, "vision_config", None), "temporal_merge_size", 1) if modality == "video" else 1
+
+
 def feature_field(encoded) -> str:
     """The field of an encoder output (``get_image_features`` / ``get_video_features``) that the model merges at its
     placeholders: ``pooler_output``, or ``last_hidden_state`` where the encoder leaves ``pooler_output`` empty and the
@@ -62,6 +68,10 @@ VERIFIED = frozenset(
         "Dots3NoteModel",  # 1-D positions; DSA + sliding-window MLA (Ulysses only: DSA refuses a ring); no audio
         "MistralLarge4Model",  # Pixtral's images; DSA with position-scaled queries, NoPE and shared layers (Ulysses)
         "MiniMaxM3VLModel",  # 1-D positions, images / videos through one tower; block-sparse selection (Ulysses)
+        "Glm5NextModel",  # NoPE; pooled DSA from each document's start + KDA (Ulysses); images (videos: refused)
+        "HYV4VLModel",  # mrope; a newline feature ends each merged row; HY-V4's DSA, sinks, hyper-connections (Ulysses)
+        "Ernie4_5_VLMoeModel",  # mrope; videos' frames merged in pairs; experts by moe_mm_token_type_ids (per token)
+        "Qwen4ExpModel",  # Qwen3.5's mrope and tower; Gated DeltaNet, query-sparse attention (Ulysses), PLE n-grams
         *IMAGE_BLOCK_MODELS,  # Gemma3; Gemma4 (per-layer head sizes, per-layer embeddings, shared kv; no audio)
     }
 )
@@ -136,6 +146,26 @@ def _video_at_image_token(model: PreTrainedModel, image: int, video: int) -> boo
         return False
     at = masks[1].reshape(2, -1)[:, 0]
     return bool(at[0]) and not bool(at[1])
+
+
+def span_marked_video(model: PreTrainedModel) -> tuple[int, int] | None:
+    """``(start, end)``: the token ids around a video whose placeholders are image tokens that the model's own mask
+    tells apart from an image's only by those spans (GLM-5-Next, probed on its ``get_placeholder_mask``); a rank's
+    shard need not hold them. ``None`` for every other model."""
+    config, base = model.config, vlm_base(model)
+    start, end = (getattr(config, f"video_{k}_token_id", None) for k in ("start", "end"))
+    image, mask_fn = token_ids(model).get("image"), getattr(base, "get_placeholder_mask", None)
+    if not all(isinstance(t, int) for t in (start, end, image)) or mask_fn is None:
+        return None
+    try:
+        with torch.no_grad():
+            masks = mask_fn(torch.tensor([[start, image, end, image]]), inputs_embeds=torch.zeros(1, 4, 1))
+    except Exception:  # noqa: BLE001 - a mask function of another shape: no spans
+        return None
+    if not (isinstance(masks, tuple) and len(masks) == 2):
+        return None
+    image_mask, video_mask = (m.reshape(4, -1)[:, 0] for m in masks)
+    return (start, end) if bool(video_mask[1]) and not bool(video_mask[3]) and bool(image_mask[3]) else None
 
 
 def uses_mrope(model: PreTrainedModel) -> bool:

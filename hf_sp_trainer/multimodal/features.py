@@ -25,6 +25,7 @@ from ..model.vlm import (
     feature_rows,
     image_block_rule,
     shared_placeholder,
+    span_marked_video,
     text_decoder,
     token_ids,
     uses_mrope,
@@ -50,6 +51,7 @@ class MediaFeatures:
         self.token_ids = token_ids(model)
         self.mrope = uses_mrope(model)
         self.image_blocks = image_block_rule(model)  # Gemma3 / Gemma4: each image's tokens see each other
+        self.video_spans = span_marked_video(model)  # GLM-5-Next: video frames at the image token, inside spans
         self.name = type(model).__name__
         base = vlm_base(model)
         self.mask_per_layer_type = type(base).__name__ in IMAGE_BLOCK_MODELS  # its masks: never built from a shard
@@ -71,6 +73,13 @@ class MediaFeatures:
                 f"{self.name} under SP got audio (input_features): its audio features are merged inside its forward, "
                 "which takes no precomputed audio rows, so SP can't give each rank its own audio tokens' features. "
                 "Train on audio with sp_size=1."
+            )
+        if self.video_spans is not None and kwargs.get(PIXELS["video"]) is not None:
+            raise ValueError(
+                f"{self.name}'s video frames are image tokens (id {self.token_ids['image']}) told apart from images "
+                f"only by the video start / end tokens around them (ids {self.video_spans}), which a rank's shard "
+                "need not hold: under SP its own placeholder mask would take frames for images. Train on its videos "
+                "with sp_size=1; SP runs its images."
             )
         rule = self.image_blocks
         if rule is not None and kwargs.get(rule.types_key) is not None:  # the images of the whole rows

@@ -10,7 +10,8 @@ The tower's activations and its backward are then ``~1/sp`` per rank; the exchan
 text hidden), small next to the tower's per-patch activations.
 
 Layouts split: flat patch rows with a ``{image,video}_grid_thw`` row per medium (Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-Qwen3.5, GLM-4V: ``t * h * w`` patches, ``/ merge**2`` features each), one pixel tensor per image with a fixed
+Qwen3.5, GLM-4V: ``t * h * w`` patches, ``/ merge**2`` features each; ERNIE-4.5-VL's videos ``/ 2`` more, their
+frames merged in pairs), one pixel tensor per image with a fixed
 number of features (``PER_IMAGE_BASES``: LLaVA, Gemma3, InternVL's tiles, ...), Gemma4's rows of padded patches
 with their positions (``POSITION_BASES``: an image or a video frame each) and LLaVA-Next's tiled images
 (``TILE_BASES``: balanced by tiles, each image's feature rows counted once encoded, one small all-reduce). Others
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.gather import all_gather_stack
-from ..model.vlm import PADDING_POSITION, PIXELS, feature_field, feature_rows
+from ..model.vlm import PADDING_POSITION, PIXELS, feature_field, feature_rows, temporal_merge
 
 # pixel_values [images (InternVL: tiles), C, H, W], a fixed number of features per image, each encoded alone
 PER_IMAGE_BASES = frozenset(
@@ -97,10 +98,11 @@ def media_layout(base: torch.nn.Module, modality: str, kwargs: dict, placeholder
         vision = base.config.vision_config
         merge = getattr(vision, "spatial_merge_size", None) or getattr(base.config, "spatial_merge_size", 2)
         by_frame = modality == "video" and name in FRAME_BASES
+        per_row = merge * merge * temporal_merge(base.config, modality)  # patches per feature row
         units = []
         for medium, (t, h, w) in enumerate(grid.tolist()):
             for frames in [1] * t if by_frame else [t]:
-                units.append((frames * h * w, frames * h * w // (merge * merge), medium, frames))
+                units.append((frames * h * w, frames * h * w // per_row, medium, frames))
         return MediaLayout(*(list(x) for x in zip(*units, strict=True)))
     positions = kwargs.get(PER_PIXEL_ROW[modality])
     if name in POSITION_BASES and positions is not None:
