@@ -302,6 +302,23 @@ def test_unmodeled_hybrid_layers_are_refused(model_type):
         ModelShape.from_config(tiny_config(model_type))
 
 
+@pytest.mark.parametrize(
+    "config, part",
+    [
+        (transformers.MixtralConfig(), r"routed experts \(num_local_experts=8\)"),
+        (transformers.Qwen3MoeConfig(), "routed experts"),
+        (transformers.DeepseekV3Config(), r"routed experts \(n_routed_experts=256\) and multi-head latent attention"),
+        (transformers.Glm4MoeLiteConfig(), "routed experts .* and multi-head latent attention"),
+    ],
+    ids=["mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe_lite"],
+)
+def test_experts_and_latent_attention_are_refused(config, part):
+    """Routed experts and multi-head latent attention have no count in the memory model: refused by name, never
+    estimated as a dense Llama layer (DeepSeek-V3 would have come out at 40B parameters, not 671B)."""
+    with pytest.raises(ValueError, match=f"no count for its {part}"):
+        ModelShape.from_config(config)
+
+
 def test_pure_state_space_models_are_refused():
     with pytest.raises(ValueError, match="Mamba2Config has no attention heads .* no count for it"):
         ModelShape.from_config(transformers.Mamba2Config(num_heads=4, head_dim=16, hidden_size=32, expand=2))

@@ -30,8 +30,23 @@ def unmodeled_layers(text) -> list[str]:
     return sorted({str(kind) for kind in kinds if not modeled(str(kind))})
 
 
+# Config fields of parts the memory model has no count for, whatever the layer types: routed experts (their weights
+# and the dispatch's activations are not a dense MLP's) and multi-head latent attention (low-rank q / kv, other head
+# sizes for q / k and v)
+EXPERT_FIELDS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")
+LATENT_FIELDS = ("kv_lora_rank",)
+
+
+def unmodeled_parts(text) -> list[str]:
+    """The parts of a text config the memory model would silently count as a dense Llama-style layer: routed
+    experts (``EXPERT_FIELDS``) and multi-head latent attention (``LATENT_FIELDS``)."""
+    parts = [f"routed experts ({f}={getattr(text, f)})" for f in EXPERT_FIELDS if getattr(text, f, None)][:1]
+    parts += [f"multi-head latent attention ({f}={getattr(text, f)})" for f in LATENT_FIELDS if getattr(text, f, None)]
+    return parts
+
+
 def check_modeled_layers(text, name: str) -> None:
-    """A ``ValueError`` naming the layer types of ``text`` the memory model has no count for, if any."""
+    """A ``ValueError`` naming the layer types, else the parts, of ``text`` the memory model has no count for."""
     if unmodeled := unmodeled_layers(text):
         raise ValueError(
             f"{name}: the memory model has no count for its layer types {unmodeled}: it models attention, Gated "
@@ -39,6 +54,12 @@ def check_modeled_layers(text, name: str) -> None:
             "attention and RG-LRU layers (which transformers also types 'linear_attention') and DeepSeek sparse "
             "attention ('indexed_attention': its gathered top-k and indexer keys) are not modeled yet. "
             "Measure such a model with scripts/bench_memory.py."
+        )
+    if parts := unmodeled_parts(text):
+        raise ValueError(
+            f"{name}: the memory model has no count for its {' and '.join(parts)}: it models dense Llama-style MLPs "
+            "and multi-head / grouped-query attention, and would count these as such (wrong weights, optimizer "
+            "states and activations). Measure such a model with scripts/bench_memory.py."
         )
 
 
