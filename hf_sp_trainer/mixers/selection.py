@@ -62,6 +62,18 @@ def refuse_packed_rows_at_sp1(module: str, rows: int, why: str) -> None:
         )
 
 
+def whole_sequence_selection(module, sp: tuple, cache, project: Callable, select: Callable) -> torch.Tensor:
+    """An indexer's selection under SP (``sp``: ``selection_sp``'s bounds and topology): its projection of this
+    rank's tokens (``project()``, no autograd), then ``select`` over the whole sequence gathered across the group.
+    Without a cache (SP refuses cached decoding)."""
+    if cache is not None:
+        raise ValueError(f"{type(module).__name__} under sequence parallelism runs without a cache.")
+    bounds, topology = sp
+    with torch.no_grad():
+        projected = project()
+    return select(module, projected, bounds, topology.sp_group, topology.sp_rank)
+
+
 def dsa_attention_entry(original: Callable) -> Callable:
     """A DSA attention (``DeepseekV32Attention``): under SP its installed forward, given a placeholder for the mask
     it slices for its indexer and SP's kwargs as the scope its indexer (called without them) reads."""
@@ -99,10 +111,8 @@ def dsa_indexer_entry(original: Callable) -> Callable:
                 self, hidden_states=hidden_states, q_resid=q_resid, position_embeddings=position_embeddings,
                 attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             )  # fmt: skip
-        bounds, topology = sp
-        with torch.no_grad():
-            projected = PROJECTIONS[type(self).__name__](self, hidden_states, q_resid, position_embeddings)
-        return sp_index_topk(self, projected, bounds, topology.sp_group, topology.sp_rank)
+        project = functools.partial(PROJECTIONS[type(self).__name__], self, hidden_states, q_resid, position_embeddings)
+        return whole_sequence_selection(self, sp, cache, project, sp_index_topk)
 
     return forward
 
@@ -120,13 +130,9 @@ def positional_indexer_entry(original: Callable) -> Callable:
                 self, hidden_states=hidden_states, position_embeddings=position_embeddings,
                 attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             )  # fmt: skip
-        if cache is not None:
-            raise ValueError(f"{type(self).__name__} under sequence parallelism runs without a cache.")
-        bounds, topology = sp
-        with torch.no_grad():
-            project = POSITIONAL_PROJECTIONS[type(self).__name__]
-            projected = project(self, hidden_states, position_embeddings, position_ids)
-        return sp_index_topk(self, projected, bounds, topology.sp_group, topology.sp_rank)
+        project = POSITIONAL_PROJECTIONS[type(self).__name__]
+        project = functools.partial(project, self, hidden_states, position_embeddings, position_ids)
+        return whole_sequence_selection(self, sp, cache, project, sp_index_topk)
 
     return forward
 
@@ -171,12 +177,8 @@ def pooled_indexer_entry(original: Callable) -> Callable:
             return original(
                 self, hidden_states=hidden_states, q_resid=q_resid, attention_mask=attention_mask, cache=cache
             )
-        if cache is not None:
-            raise ValueError(f"{type(self).__name__} under sequence parallelism runs without a cache.")
-        bounds, topology = sp
-        with torch.no_grad():
-            projected = pooled_projection(self, hidden_states, q_resid)
-        return sp_pooled_topk(self, projected, bounds, topology.sp_group, topology.sp_rank)
+        project = functools.partial(pooled_projection, self, hidden_states, q_resid)
+        return whole_sequence_selection(self, sp, cache, project, sp_pooled_topk)
 
     return forward
 
@@ -195,12 +197,8 @@ def block_indexer_entry(original: Callable) -> Callable:
                 self, hidden_states=hidden_states, position_embeddings=position_embeddings, cache=cache,
                 position_ids=position_ids,
             )  # fmt: skip
-        if cache is not None:
-            raise ValueError(f"{type(self).__name__} under sequence parallelism runs without a cache.")
-        bounds, topology = sp
-        with torch.no_grad():
-            projected = m3_projection(self, hidden_states, position_embeddings)
-        return sp_block_topk(self, projected, bounds, topology.sp_group, topology.sp_rank)
+        project = functools.partial(m3_projection, self, hidden_states, position_embeddings)
+        return whole_sequence_selection(self, sp, cache, project, sp_block_topk)
 
     return forward
 
