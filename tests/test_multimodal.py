@@ -132,6 +132,7 @@ SP2 = [
     # Its fp32 gap (up to 8e-6, a hyper-connection gradient summed with cancellation) is 1e-14 in float64
     Case("hy_v4_vl", "mixed"),
     Case("hy_v4_vl", "padded"),
+    Case("hy_v4_vl", "many", split=True),  # split media: each frame's merged rows end with a newline feature row
     # tests/multimodal_families_mrope.py: ERNIE-4.5-VL (experts per modality by moe_mm_token_type_ids; videos' frames
     # merged in pairs; "images": an image across the sp-2 boundary) and Qwen4-Exp (Gated DeltaNet, top-2 blocks of 4
     # by its QSA indexer on mrope positions, PLE n-grams; Ulysses only)

@@ -12,6 +12,7 @@ from ..model.vlm import (
     PADDING_POSITION,
     PIXELS,
     rope_index,
+    row_newline,
     shared_placeholder,
     temporal_merge,
     token_ids,
@@ -50,7 +51,7 @@ class SPMultimodalCollator:
         self._mrope = uses_mrope(model)
         vision = getattr(model.config, "vision_config", None)
         self._merge = getattr(vision, "spatial_merge_size", None)
-        self._newline = _row_newline(base)  # HY-V4-VL: one more placeholder per merged row of patches
+        self._newline = row_newline(base)  # HY-V4-VL: one more placeholder per merged row of patches
         self._pooling = getattr(vision, "pooling_kernel_size", None)  # Gemma4: patches pooled k x k per feature
         forward = inspect.signature(type(base).forward).parameters
         takes_plain = "token_type_ids" in forward and "mm_token_type_ids" not in forward
@@ -136,14 +137,6 @@ class SPMultimodalCollator:
             return text.expand(4, 1, n).clone()  # text only: every row counts 0, 1, ...
         inputs = doc | {"mm_token_type_ids": doc["mm_token_type_ids"][None]}
         return torch.cat([text, rope_index(self._base, doc["input_ids"][None], inputs)])  # [4, 1, n]
-
-
-def _row_newline(base: torch.nn.Module) -> int:
-    """1 where the vision tower's patch merger ends every merged row with a learned newline feature (a module with
-    ``spatial_merge_size`` and an ``image_newline`` parameter: HY-V4-VL, ``h / merge`` rows of ``w / merge + 1``
-    placeholders per frame), else 0."""
-    mergers = (m for m in base.modules() if hasattr(m, "spatial_merge_size"))
-    return int(any(isinstance(getattr(m, "image_newline", None), torch.nn.Parameter) for m in mergers))
 
 
 def _check_image_counts(docs: list[dict[str, Any]]) -> None:

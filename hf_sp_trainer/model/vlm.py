@@ -148,6 +148,14 @@ def _video_at_image_token(model: PreTrainedModel, image: int, video: int) -> boo
     return bool(at[0]) and not bool(at[1])
 
 
+def row_newline(base: torch.nn.Module) -> int:
+    """1 where the vision tower's patch merger ends every merged row with a learned newline feature (a module with
+    ``spatial_merge_size`` and an ``image_newline`` parameter: HY-V4-VL, ``h / merge`` rows of ``w / merge + 1``
+    placeholders per frame), else 0."""
+    mergers = (m for m in base.modules() if hasattr(m, "spatial_merge_size"))
+    return int(any(isinstance(getattr(m, "image_newline", None), torch.nn.Parameter) for m in mergers))
+
+
 def span_marked_video(model: PreTrainedModel) -> tuple[int, int] | None:
     """``(start, end)``: the token ids around a video whose placeholders are image tokens that the model's own mask
     tells apart from an image's only by those spans (GLM-5-Next, probed on its ``get_placeholder_mask``); a rank's

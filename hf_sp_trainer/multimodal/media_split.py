@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.gather import all_gather_stack
-from ..model.vlm import PADDING_POSITION, PIXELS, feature_field, feature_rows, temporal_merge
+from ..model.vlm import PADDING_POSITION, PIXELS, feature_field, feature_rows, row_newline, temporal_merge
 
 # pixel_values [images (InternVL: tiles), C, H, W], a fixed number of features per image, each encoded alone
 PER_IMAGE_BASES = frozenset(
@@ -99,10 +99,12 @@ def media_layout(base: torch.nn.Module, modality: str, kwargs: dict, placeholder
         merge = getattr(vision, "spatial_merge_size", None) or getattr(base.config, "spatial_merge_size", 2)
         by_frame = modality == "video" and name in FRAME_BASES
         per_row = merge * merge * temporal_merge(base.config, modality)  # patches per feature row
+        newline = row_newline(base)  # HY-V4-VL: a newline feature ends each merged row of a frame
         units = []
         for medium, (t, h, w) in enumerate(grid.tolist()):
             for frames in [1] * t if by_frame else [t]:
-                units.append((frames * h * w, frames * h * w // per_row, medium, frames))
+                rows = frames * h * w // per_row + newline * frames * (h // merge)
+                units.append((frames * h * w, rows, medium, frames))
         return MediaLayout(*(list(x) for x in zip(*units, strict=True)))
     positions = kwargs.get(PER_PIXEL_ROW[modality])
     if name in POSITION_BASES and positions is not None:
