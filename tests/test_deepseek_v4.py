@@ -121,3 +121,66 @@ def test_fp32_gap_is_round_off():
     for errors in run_distributed(2, float64_errors, "deepseek_v4", "DeepseekV4ForCausalLM", True):
         assert isinstance(errors, dict), errors
         assert errors["fp64"] < 1e-11 and errors["fp32"] < 2 * errors["fp32_reference"], errors
+
+
+def _halo_run(sp_size: int) -> dict:
+    """Each layer of the check's small V4 (window 5, CSA every 2, HCA every 4) on 32 tokens of three documents: this
+    rank's shard under SP against one process on the whole sequence (output and the hidden states' gradient), and the
+    token counts every all-gather of the layer moved."""
+    import torch.distributed as dist
+
+    from hf_sp_trainer.mixers.v4_checks import _embeddings, _model
+
+    dist.init_process_group("gloo")
+    rank, group = dist.get_rank(), dist.group.WORLD
+    model, seq = _model(ATTENTION), 32
+    docs = ((0, 3), (3, 21), (21, 32))  # one across the shard boundary at sp 2 and 4, one ending just past a shard
+    hidden = torch.randn(1, seq, 32, generator=torch.Generator().manual_seed(4))
+    probe = torch.randn(1, seq, 32, generator=torch.Generator().manual_seed(5))
+    positions = torch.cat([torch.arange(e - s) for s, e in docs])[None]
+    bounds, s = torch.tensor([0, *(e for _, e in docs)]), seq // sp_size
+    mine = slice(rank * s, (rank + 1) * s)
+    sizes, real = [], deepseek_v4.all_gather_stack
+
+    def recorded(x, grp):
+        sizes.append(x.shape[1] if x.ndim > 2 else x.shape[0])  # tokens (a halo) or entries
+        return real(x, grp)
+
+    out = {"errors": [], "gathered": []}
+    for layer in model.layers:
+        results = []
+        for whole in (True, False):
+            x = hidden.clone().requires_grad_() if whole else hidden[:, mine].clone().requires_grad_()
+            pos = positions if whole else positions[:, mine]
+            deepseek_v4.all_gather_stack = real if whole else recorded
+            try:
+                args = (bounds, None, 0) if whole else (bounds, group, rank)
+                y = deepseek_v4.v4_attention_forward(layer.self_attn, x, _embeddings(model, x, pos), pos, *args)
+            finally:
+                deepseek_v4.all_gather_stack = real
+            (y * (probe if whole else probe[:, mine])).sum().backward()
+            results.append((y.detach(), x.grad))
+        (y1, g1), (ys, gs) = results
+        grad = gs.clone()  # this rank's own tokens' gradient: the halos' parts came back through the gathers
+        out["errors"].append(max(float((ys - y1[:, mine]).abs().max()), float((grad - g1[:, mine]).abs().max())))
+        out["gathered"].append(list(sizes))
+        sizes.clear()
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("sp_size", [2, 4])
+def test_windows_and_entries_need_only_a_left_halo(sp_size):
+    """Under SP the layer gathers no whole-sequence tokens: the K = V window's halo (``window - 1`` = 4 tokens of
+    each rank), the compressors' halos (CSA: ``2 rate - 1`` = 3, HCA: ``rate - 1`` = 3) and the entries (at most
+    ``s / rate`` per rank); its output and the gradient of its input equal one process on the whole sequence."""
+    from tests.harness import run_distributed, unwrap_results
+
+    for result in unwrap_results(run_distributed(sp_size, _halo_run, sp_size)):
+        assert max(result["errors"]) < 1e-5, result["errors"]
+        s = 32 // sp_size
+        sliding, csa, hca = result["gathered"]
+        assert sliding == [min(s, 4)], sliding
+        # CSA: K = V, its compressor's inputs (kv, gate) and entries, its indexer's inputs and entries
+        assert csa[:3] == [min(s, 4), 3, 3] and csa[4:6] == [3, 3] and max(csa[3], csa[6]) <= s // 2, csa
+        assert hca[:3] == [min(s, 4), 3, 3] and 0 < hca[3] <= s // 4, hca

@@ -13,11 +13,18 @@ in the softmax denominator:
 
 transformers aligns the windows to the row (so its packed forward mixes documents) and drops the entries' mask when
 the attention gets none, as SP's registered attention does. Under SP (``mixers.swap``, behaviour-checked) the layer's
-forward is this module's: the token K = V and the compressors' per-token inputs are all-gathered (differentiable:
-their gradients are reduce-scattered home), every document's windows are compressed from its own first token (each
-rank the whole sequence's, redundantly: ``O(seq)``), and this rank's queries attend, in query tiles recomputed in the
-backward, to their window and their document's visible entries. Exact as one device on each document alone; the
-indexer's top-k as DSA's (ties at the k-th place aside). A ring is refused.
+forward is this module's, and nothing of the whole sequence's tokens is gathered:
+
+- the token K = V comes with a *left halo*: the ``sliding_window - 1`` tokens before this rank's shard, from the
+  previous ranks (``with_left_halo``: every rank's tail all-gathered, ``P x min(s, window - 1)`` tokens);
+- each rank compresses the windows that *end* in its shard, counted from their document's first token, from its
+  compressor inputs and a halo of ``rate - 1`` tokens (CSA, whose entry also reads the previous window: ``2 rate - 1``),
+  and the entries (``seq / rate`` of them) are all-gathered in window order;
+- this rank's queries attend, in query tiles recomputed in the backward, to their window and their document's
+  visible entries.
+
+Every gather is differentiable (the gradients are reduce-scattered home). Exact as one device on each document alone;
+the indexer's top-k as DSA's (ties at the k-th place aside). A ring is refused.
 """
 
 from __future__ import annotations
@@ -35,12 +42,18 @@ from .block_sparse import complete_windows, document_positions, windows_seen
 from .dsa import SCORE_BYTES
 
 
-def gathered(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """``[b, seq, ...]`` from every rank's ``[b, s, ...]`` (contiguous shards), the gradient back to each rank."""
-    if group is None:
-        return x
-    parts = all_gather_stack(x.contiguous(), group)  # [P, b, s, ...]
-    return parts.transpose(0, 1).flatten(1, 2)
+def with_left_halo(x: torch.Tensor, width: int, group: dist.ProcessGroup | None, rank: int) -> tuple[torch.Tensor, int]:
+    """``([b, h + s, ...], first)``: the ``h = min(width, rank * s)`` tokens before this rank's shard (``x``,
+    ``[b, s, ...]``, the ``rank``-th contiguous one) and the shard, and the whole-sequence position of the first.
+    Every rank's last ``min(s, width)`` tokens are all-gathered (the gradient back to each rank)."""
+    s = x.shape[1]
+    if group is None or width <= 0 or dist.get_world_size(group) == 1:
+        return x, rank * s
+    tail = min(s, width)
+    tails = all_gather_stack(x[:, s - tail :].contiguous(), group)  # [P, b, tail, ...]
+    before = tails[max(0, rank - -(-width // tail)) : rank].transpose(0, 1).flatten(1, 2)
+    before = before[:, max(0, before.shape[1] - width) :]
+    return torch.cat([before, x], dim=1), rank * s - before.shape[1]
 
 
 def _has_previous(at: torch.Tensor, rate: int) -> torch.Tensor:
@@ -78,13 +91,34 @@ class Entries:
     doc: torch.Tensor
 
 
-def _entries(compressor, hidden, bounds, group, overlap: bool, owner=None, dim: int | None = None) -> Entries:
+def _entries(
+    compressor, hidden, bounds, group, rank: int, overlap: bool, owner=None, dim: int | None = None
+) -> Entries:
+    """The compressor's entries of the whole sequence, in window order: this rank compresses the windows ending in
+    its shard (from its inputs and their left halo), the entries are all-gathered (padded to the most any rank has)."""
     owner = owner or compressor
     dim = dim or compressor.head_dim
     rate = compressor.compress_rate
-    kv_in, gate_in = gathered(owner.kv_proj(hidden), group), gathered(owner.gate_proj(hidden), group)
-    row, start, at, doc = complete_windows(bounds, hidden.shape[0], kv_in.shape[1], rate, hidden.device)
-    return Entries(_compress(owner, kv_in, gate_in, row, start, at, rate, dim, overlap), start + rate - 1, doc)
+    b, s = hidden.shape[:2]
+    world = 1 if group is None else dist.get_world_size(group)
+    row, start, at, doc = complete_windows(bounds, b, s * world, rate, hidden.device)
+    end = start + rate - 1
+    halo = 2 * rate - 1 if overlap else rate - 1
+    kv_in, first = with_left_halo(owner.kv_proj(hidden), halo, group, rank)
+    gate_in, _ = with_left_halo(owner.gate_proj(hidden), halo, group, rank)
+    mine = end // s == rank
+    keys = _compress(owner, kv_in, gate_in, row[mine], start[mine] - first, at[mine], rate, dim, overlap)
+    if world == 1:
+        return Entries(keys, end, doc)
+    owners = end // s  # the rank whose shard holds each window's last token, in window order
+    count = torch.nn.functional.one_hot(owners, world).cumsum(0)  # [n, P]: windows of each rank so far
+    most = int(count[-1].max()) if owners.numel() else 0
+    if most == 0:  # no complete window anywhere (every rank knows: the same bounds)
+        return Entries(keys, end, doc)
+    padded = torch.cat([keys, keys.new_zeros(most - keys.shape[0], keys.shape[1])])
+    every = all_gather_stack(padded, group)  # [P, most, d]
+    slot = count.gather(1, owners[:, None]).squeeze(1) - 1  # each window's place among its rank's
+    return Entries(every[owners, slot], end, doc)
 
 
 @torch.no_grad()
@@ -93,7 +127,8 @@ def _csa_picks(attn, hidden, q_residual, position_ids, bounds, docs, first: int,
     complete before them in their document; ``-1``: none), scored in query tiles."""
     indexer = attn.compressor.indexer
     modeling = sys.modules[type(indexer).__module__]
-    entries = _entries(indexer, hidden, bounds, group, True, owner=indexer, dim=indexer.head_dim)
+    entries = _entries(indexer, hidden, bounds, group, first // hidden.shape[1], True, owner=indexer,
+                       dim=indexer.head_dim)  # fmt: skip
     b, s = hidden.shape[:2]
     cos, sin = indexer.rotary_emb(hidden, position_ids=position_ids, layer_type="compress")
     q = indexer.q_b_proj(q_residual).view(b, s, -1, indexer.head_dim).transpose(1, 2)
@@ -123,48 +158,51 @@ def v4_attention_forward(attn, hidden, position_embeddings, position_ids, bounds
     q_residual = attn.q_a_norm(attn.q_a_proj(hidden))
     q = rope(attn.q_b_norm(attn.q_b_proj(q_residual).view(b, s, -1, attn.head_dim).transpose(1, 2)), cos, sin)
     kv = rope(attn.kv_norm(attn.kv_proj(hidden)).view(b, s, 1, attn.head_dim).transpose(1, 2), cos, sin)
-    kv_all = gathered(kv.transpose(1, 2), group).transpose(1, 2)  # [b, 1, seq, d]
+    kv_near, base = with_left_halo(kv.transpose(1, 2), attn.sliding_window - 1, group, rank)  # [b, halo + s, 1, d]
+    kv_near = kv_near.transpose(1, 2)  # [b, 1, halo + s, d]: whole-sequence positions base, base + 1, ...
     first = rank * s
-    docs, _ = document_positions(bounds, b, kv_all.shape[2], hidden.device)
+    world = 1 if group is None else dist.get_world_size(group)
+    docs, _ = document_positions(bounds, b, s * world, hidden.device)
     entries = picks = None
     if attn.compressor is not None:
         csa = attn.layer_type == "compressed_sparse_attention"
-        entries = _entries(attn.compressor, hidden, bounds, group, overlap=csa)
+        entries = _entries(attn.compressor, hidden, bounds, group, rank, overlap=csa)
         if csa:
             picks = _csa_picks(attn, hidden, q_residual, position_ids, bounds, docs, first, group)
-    out = _tiled(q, kv_all, entries, picks, docs, first, attn.sliding_window, attn.sinks, attn.scaling)
+    out = _tiled(q, kv_near, base, entries, picks, docs, first, attn.sliding_window, attn.sinks, attn.scaling)
     out = rope(out, cos, -sin).transpose(1, 2)  # the values' RoPE undone at the query's position
     grouped = attn.o_a_proj(out.reshape(b, s, attn.config.o_groups, -1)).flatten(2)
     return attn.o_b_proj(grouped)
 
 
-def _tiled(q, kv_all, entries, picks, docs, first: int, window: int, sinks, scale: float) -> torch.Tensor:
-    """``[b, h, s, d]``: this rank's queries over their window and their entries (all complete ones, or ``picks``),
-    in query tiles of at most about ``SCORE_BYTES`` of fp32 logits, each recomputed in the backward (its masks
-    too: nothing of ``s x seq`` is kept)."""
+def _tiled(q, kv_near, base: int, entries, picks, docs, first: int, window: int, sinks, scale: float) -> torch.Tensor:
+    """``[b, h, s, d]``: this rank's queries over their window (``kv_near``: the K = V of the whole-sequence positions
+    ``base, base + 1, ...``) and their entries (all complete ones, or ``picks``), in query tiles of at most about
+    ``SCORE_BYTES`` of fp32 logits, each recomputed in the backward (its masks too: nothing of ``s x seq`` is kept)."""
     b, h, s, _ = q.shape
     n = 0 if entries is None else (picks.shape[-1] if picks is not None else entries.keys.shape[0])
     tile = max(1, min(s, SCORE_BYTES // (4 * b * h * (window + n + min(s, 1024)))))
-    grad = torch.is_grad_enabled() and (q.requires_grad or kv_all.requires_grad)
+    grad = torch.is_grad_enabled() and (q.requires_grad or kv_near.requires_grad)
     parts = () if entries is None else (entries.keys, entries.end, entries.doc)
     outs = []
     for start in range(0, s, tile):
         rows = slice(start, min(s, start + tile))
-        fn = functools.partial(_attend, first=first + start, window=window, scale=scale, n_parts=len(parts))
+        fn = functools.partial(_attend, first=first + start, base=base, window=window, scale=scale, n_parts=len(parts))
         tile_picks = None if picks is None else picks[:, rows]
-        args = (q[:, :, rows], kv_all, docs, sinks, tile_picks, *parts)
+        args = (q[:, :, rows], kv_near, docs, sinks, tile_picks, *parts)
         outs.append(checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args))
     return torch.cat(outs, dim=2)
 
 
-def _attend(q, kv_all, docs, sinks, picks, *parts, first: int, window: int, scale: float, n_parts: int):
-    """One tile: the queries ``first, first + 1, ...`` over the K = V of their window and their entries."""
+def _attend(q, kv_near, docs, sinks, picks, *parts, first: int, base: int, window: int, scale: float, n_parts: int):
+    """One tile: the queries ``first, first + 1, ...`` over the K = V of their window (``kv_near`` from position
+    ``base``) and their entries."""
     t = q.shape[2]
     queries = torch.arange(first, first + t, device=q.device)
     lo = max(0, first - window + 1)
     at = torch.arange(lo, first + t, device=q.device)
     near = (docs[:, queries, None] == docs[:, None, at]) & (at <= queries[:, None]) & (queries[:, None] - at < window)
-    win = kv_all[:, :, lo : first + t]  # [b, 1, k, d]
+    win = kv_near[:, :, lo - base : first + t - base]  # [b, 1, k, d]
     logits = [(torch.matmul(q, win.transpose(-1, -2)) * scale).masked_fill(~near[:, None], float("-inf"))]
     keys = None
     if n_parts:
