@@ -57,6 +57,7 @@ FAMILIES["hy_v4_vl"] = "HYV4VLForConditionalGeneration"  # HY-V4's DSA with sink
 ULYSSES_ONLY["hy_v4_vl"] = ULYSSES_ONLY["dots3_note"]
 FAMILIES["glm5_next"] = "Glm5NextForConditionalGeneration"  # pooled DSA (NoPE) + KDA, hyper-connections, MoE
 ULYSSES_ONLY["glm5_next"] = ULYSSES_ONLY["dots3_note"]
+IMAGES_ONLY = {"glm5_next": "its video frames are image tokens inside video spans a shard need not hold"}
 BLOCK = dict(index_block_size=4, index_topk_blocks=2, index_local_blocks=1)  # MiniMax-M3: top-2 blocks of 4 keys
 
 

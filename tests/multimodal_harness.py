@@ -10,7 +10,7 @@ row and sums each rank's token losses and gradients over the SP group.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,7 @@ from hf_sp_trainer.model.vlm import vlm_base
 from tests.harness import worst_error
 from tests.multimodal_families_extra import CONFIGS as EXTRA_CONFIGS
 from tests.multimodal_families_extra import FAMILIES as EXTRA_FAMILIES
-from tests.multimodal_families_extra import PIXTRAL_FAMILIES, extra_medium
+from tests.multimodal_families_extra import IMAGES_ONLY, PIXTRAL_FAMILIES, extra_medium
 from tests.multimodal_families_mrope import CONFIGS as MROPE_CONFIGS
 from tests.multimodal_families_mrope import FAMILIES as MROPE_FAMILIES
 from tests.multimodal_families_mrope import FRAMES_APART, OWN_LAYOUT, mrope_medium, mrope_token_types
@@ -778,7 +778,7 @@ def run_matrix_without(cases: list[Case], sp_size: int) -> dict[str, dict]:
 # ----------------------------------------------------------------------------------------------------------------
 def pad_rows(features: list[dict]) -> dict[str, torch.Tensor]:
     """The reference collator: one right-padded row per document, the model computes its own positions."""
-    from hf_sp_trainer.collators.multimodal import MEDIA_KEYS, concat_media
+    from hf_sp_trainer.collators.multimodal import MEDIA_KEYS, PER_TOKEN_KEYS, concat_media
 
     width = max(len(f["input_ids"]) for f in features)
     ids = torch.zeros(len(features), width, dtype=torch.long)
@@ -791,6 +791,11 @@ def pad_rows(features: list[dict]) -> dict[str, torch.Tensor]:
         types[i, : len(f["input_ids"])] = f["mm_token_type_ids"]
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
     batch["mm_token_type_ids"] = types
+    for key in PER_TOKEN_KEYS:  # ERNIE-4.5-VL's moe_mm_token_type_ids: right-padded as input_ids
+        if features[0].get(key) is not None:
+            batch[key] = torch.zeros_like(ids)
+            for i, f in enumerate(features):
+                batch[key][i, : len(f["input_ids"])] = torch.as_tensor(f[key])
     if "token_type_ids" in features[0]:  # Gemma3: its image mask
         batch["token_type_ids"] = (types == 1).long()
     for key in MEDIA_KEYS:
@@ -842,7 +847,10 @@ def train_vlm(
 
         targets = r"model\.language_model\..*\.(q_proj|v_proj)"  # the decoder's only: the tower stays frozen
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
-    examples = make_examples(TRAIN_DOCS, family)
+    docs = TRAIN_DOCS
+    if family in IMAGES_ONLY:  # GLM-5-Next: SP refuses its videos; a layout's video becomes an image of one frame
+        docs = [replace(d, media=tuple(("image", (1, h, w)) for _, (_, h, w) in d.media)) for d in docs]
+    examples = make_examples(docs, family)
     common = dict(
         quiet_args(out_dir, steps),
         per_device_train_batch_size=4,

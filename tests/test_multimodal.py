@@ -313,6 +313,10 @@ TRAINER_CASES = {
     # local one) with its MoE router loss
     "mistral_large4_sp2_ga2": ("mistral_large4", 2, 2, None, False, False, False),
     "minimax_m3_vl_router_loss_sp2_ga2": ("minimax_m3_vl", 2, 2, None, False, False, True),
+    # experts per modality (moe_mm_token_type_ids packed and sharded), its router loss, a ring; pooled DSA + KDA
+    "ernie4_5_vl_moe_router_loss_sp2_ring2_ga2": ("ernie4_5_vl_moe", 2, 2, 2, False, False, True),
+    "glm5_next_sp2_ga2": ("glm5_next", 2, 2, None, False, False, False),
+    "hy_v4_vl_sp2_ga2": ("hy_v4_vl", 2, 2, None, False, False, False),
 }
 
 
