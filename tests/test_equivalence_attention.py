@@ -27,6 +27,9 @@ WORLD2 = [
     Case("ring2_glm4_moe_lite_mla", family="glm4_moe_lite", sp_overrides=RING2),
     Case("deepseek_v32_dsa_sgd_ga2", family="deepseek_v32", grad_accum=2, **SGD),  # the indexer's top-k over ranks
     Case("glm_moe_dsa_shared_topk", family="glm_moe_dsa", **SGD),  # its second layer reuses the first's top-k
+    # activation checkpointing: transformers leaves DDP's find_unused_parameters off, and the indexer gets no gradient
+    # (no_grad): SPTrainer tells DDP (trainers.base.tell_ddp_of_no_grad_indexers), else step 2 stops
+    Case("deepseek_v32_dsa_grad_ckpt", family="deepseek_v32", sp_overrides=dict(gradient_checkpointing=True), **SGD),
     # HY-V4: DSA with learned sinks and hyper-connections, its second layer reusing the first's top-k (eager only)
     Case("hy_v4_dsa_sinks_sgd_ga2", family="hy_v4", attn="eager", grad_accum=2, **SGD),
     # DeepSpeed hands the optimizer zero gradients for the parameters that get none (DSA's indexer: no_grad in

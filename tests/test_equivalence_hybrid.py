@@ -48,15 +48,9 @@ WORLD2 = [
     Case("ring2_recurrent_gemma_rg_lru", family="recurrent_gemma", sp_overrides=RING2, **SGD),
     # Qwen4-Exp: Gated DeltaNet and query-sparse attention (the whole sequence's top-2 blocks of 4), MoE router loss
     Case("qwen4_exp_qsa_sgd_ga2", family="qwen4_exp", grad_accum=2, **SGD),
-    # the selection recomputed in the backward; its indexer gets no gradient (as on one device), which DDP must be
-    # told of once checkpointing is on (transformers then leaves find_unused_parameters off)
-    Case(
-        "qwen4_exp_qsa_grad_ckpt",
-        family="qwen4_exp",
-        sp_overrides=CHECKPOINTING,
-        train_overrides=dict(ddp_find_unused_parameters=True),
-        **SGD,
-    ),
+    # the selection recomputed in the backward; its indexer gets no gradient (as on one device), which SPTrainer tells
+    # DDP of once checkpointing is on (transformers then leaves find_unused_parameters off)
+    Case("qwen4_exp_qsa_grad_ckpt", family="qwen4_exp", sp_overrides=CHECKPOINTING, **SGD),
 ]
 WORLD4 = [
     Case("sp4_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, **SGD),  # a document over >= 3 ranks

@@ -78,6 +78,18 @@ SP_INDEXERS = (
 SP_BLOCK_ATTENTIONS = ("MiniMaxM3VLAttention",)
 SP_BLOCK_INDEXERS = ("MiniMaxM3VLIndexer",)
 SELECTING_ATTENTIONS = (*SP_ATTENTIONS, *SP_BLOCK_ATTENTIONS)  # exact under Ulysses only: a ring is refused
+# The selections' indexers: transformers runs them without autograd (their parameters never get a gradient, on one
+# device as under SP), which DDP must be told of (``trainers.base``: ``ddp_find_unused_parameters``)
+NO_GRAD_INDEXERS = (*SP_INDEXERS, *SP_BLOCK_INDEXERS, "DeepseekV4Indexer")
+
+
+def has_no_grad_indexers(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds a selection indexer with trainable parameters (``NO_GRAD_INDEXERS``)."""
+    return any(
+        type(m).__name__ in NO_GRAD_INDEXERS and any(p.requires_grad for p in m.parameters()) for m in model.modules()
+    )
+
+
 # Modules transformers anchors at row slots (its packed forward mixes documents): SP's version runs at sp_size 1 too,
 # where documents are kept apart in one process (MiniMax-M3 refuses packed rows there; DeepSeek-V4 runs them exactly)
 ROW_ANCHORED = (*SP_BLOCK_INDEXERS, "DeepseekV4Attention")

@@ -20,6 +20,7 @@ import transformers
 from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
 from torch import nn
 from transformers.trainer_pt_utils import BatchRebalanceSampler
+from transformers.utils import logging
 
 from ..collators import SPDataCollator, SPMultimodalCollator
 from ..integrations import accelerate_sp, cpu_backend
@@ -30,10 +31,24 @@ from ..memory import enable_memory_features, loss_only_inputs, resolve_deprecate
 from ..memory.checkpointing import KEEP_BUDGET_MARK
 from ..mixers.documents import keep_documents_apart
 from ..model.decoder import unwrap_peft
+from ..model.mixers import has_no_grad_indexers
 from ..model.vlm import is_multimodal
 from ..parallel import SequenceParallel, apply_sequence_parallel, compile_decoder_layers
 from ..topology import release_groups, teardown
 from .rebalance import DocumentRebalanceSampler, rebalanced
+
+logger = logging.get_logger(__name__)
+
+
+def tell_ddp_of_no_grad_indexers(model: nn.Module, args) -> None:
+    """A selecting attention's indexer (DSA, block / query-sparse, DeepSeek-V4's) runs without autograd in
+    transformers, so its parameters never get a gradient. Under activation checkpointing transformers leaves DDP's
+    ``find_unused_parameters`` off, and DDP then stops at the second step ("Expected to have finished reduction");
+    so, unless the user set ``ddp_find_unused_parameters``, it is switched on for such a model (every SP run is
+    DDP-wrapped: the gradient sum over the SP group)."""
+    if args.ddp_find_unused_parameters is None and has_no_grad_indexers(unwrap_peft(model)):
+        args.ddp_find_unused_parameters = True
+        logger.info("ddp_find_unused_parameters=True: the model's selection indexers get no gradient (no_grad).")
 
 
 def pad_token_id(model: nn.Module, processing_class: Any) -> int:
@@ -68,6 +83,8 @@ class SequenceParallelMixin:
                 bound.arguments["data_collator"] = collator
         if training_args is not None:  # TRL's activation_offloading means ours (checkpoint_offloading), as it did
             resolve_deprecated_flags(training_args)
+            if model is not None:  # before the accelerator is built from the arguments
+                tell_ddp_of_no_grad_indexers(model, training_args)
         super().__init__(*bound.args, **bound.kwargs)
         teardown.register_exit_hook()  # a script that ends without trainer.end() still exits cleanly (sp_size 1 too)
         check_loss_options(self)  # sp_size > 1 and fused_loss compute the model's own loss exactly
