@@ -9,6 +9,7 @@ freed memory), CUDA peak = ``max_memory_allocated``. Feature combinations are ``
     python scripts/bench_memory.py --model tiny 100m --sp 1 2 4 --lengths tiny:16384 100m:1024 --max-seconds 150
     python scripts/bench_memory.py --model 100m --lengths --search plain@1 everything@1 everything@2 --cap-gib 8
     python scripts/bench_memory.py --device cuda --model llama3-8b --sp 8 --lengths 32768 131072 --attn sdpa
+    python scripts/bench_memory.py --model dsv32-small --sp 2 --lengths 2048 8192 --combos plain ckpt_full
 
 ``--search [MODEL:]COMBO@SP`` finds the longest length under ``--cap-gib`` per process: doubling from
 ``--search-start``, then ``--bisect`` halvings of the interval. A length whose peak (extrapolated linearly from the
@@ -74,6 +75,19 @@ QWEN35_TINY = dict(  # 3 Gated DeltaNet layers + 1 attention layer, Qwen3.5's la
     num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
     linear_value_head_dim=32, layer_types=["linear_attention"] * 3 + ["full_attention"],
 )  # fmt: skip
+# DeepSeek-V3's layout at a small size: MLA, a dense first layer, then routed + shared experts. v_head_dim = the q/k
+# head size: CPU sdpa (sp 1) has a memory-efficient kernel only for equal head sizes (else its O(s^2) math path)
+DSV3_SMALL = dict(
+    vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=8, q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=48,
+    n_routed_experts=16, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=256, n_group=1,
+    topk_group=1, first_k_dense_replace=1,
+)  # fmt: skip
+DSV32_SMALL = dict(DSV3_SMALL, index_n_heads=4, index_head_dim=32, index_topk=256)  # + DeepSeek sparse attention
+MIXTRAL_SMALL = dict(  # Mixtral's layout at a small size: grouped-query attention, every MLP 8 routed experts (top 2)
+    vocab_size=4096, hidden_size=256, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
+)  # fmt: skip
 
 
 def model_config(name: str, max_len: int):
@@ -84,6 +98,12 @@ def model_config(name: str, max_len: int):
         config = transformers.LlamaConfig.from_json_file(path)
     elif name == "qwen35-tiny":  # a hybrid: the planner's Gated DeltaNet layers
         config = transformers.Qwen3_5TextConfig(**QWEN35_TINY)
+    elif name == "dsv3-small":  # routed experts and multi-head latent attention
+        config = transformers.DeepseekV3Config(**DSV3_SMALL)
+    elif name == "dsv32-small":  # the same with DeepSeek sparse attention
+        config = transformers.DeepseekV32Config(**DSV32_SMALL)
+    elif name == "mixtral-small":  # routed experts behind grouped-query attention
+        config = transformers.MixtralConfig(**MIXTRAL_SMALL)
     else:
         config = transformers.LlamaConfig(**{"100m": LLAMA_100M, "llama3-8b": LLAMA3_8B}[name])
     config.max_position_embeddings = max(max_len, config.max_position_embeddings)
@@ -238,6 +258,8 @@ def grid(opts) -> list[dict]:
                 jobs = [(c, length) for c in combos if c not in slow]
                 got = run_jobs(opts, model_name, sp, jobs) if jobs else []
                 rows += got
+                if got:  # what was measured so far, in case a later length fails
+                    write_table(opts.out, "memory", rows, {"partial": True})
                 last.update({r["combo"]: r for r in got})
                 combos = [c for c in combos if c not in slow]
     return rows
@@ -319,9 +341,8 @@ def save_results(opts, rows: list[dict], searches: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--model", nargs="+", default=["tiny", "100m"], choices=["tiny", "100m", "llama3-8b", "qwen35-tiny"]
-    )
+    models = ["tiny", "100m", "llama3-8b", "qwen35-tiny", "dsv3-small", "dsv32-small", "mixtral-small"]
+    parser.add_argument("--model", nargs="+", default=["tiny", "100m"], choices=models)
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--combos", nargs="+", default=list(COMBOS), choices=list(COMBOS))
     parser.add_argument("--lengths", nargs="*", default=["4096", "8192", "16384"], help="N, or MODEL:N for one model")

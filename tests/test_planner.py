@@ -305,18 +305,139 @@ def test_unmodeled_hybrid_layers_are_refused(model_type):
 @pytest.mark.parametrize(
     "config, part",
     [
-        (transformers.MixtralConfig(), r"routed experts \(num_local_experts=8\)"),
-        (transformers.Qwen3MoeConfig(), "routed experts"),
-        (transformers.DeepseekV3Config(), r"routed experts \(n_routed_experts=256\) and multi-head latent attention"),
+        (transformers.Qwen3MoeConfig(), r"routed experts \(num_local_experts=128\)"),
+        (transformers.PhimoeConfig(), r"routed experts \(num_local_experts=16\)"),
+        (transformers.DeepseekV2Config(), r"routed experts \(n_routed_experts=64\) and multi-head latent attention"),
         (transformers.Glm4MoeLiteConfig(), "routed experts .* and multi-head latent attention"),
     ],
-    ids=["mixtral", "qwen3_moe", "deepseek_v3", "glm4_moe_lite"],
+    ids=["qwen3_moe", "phimoe", "deepseek_v2", "glm4_moe_lite"],
 )
 def test_experts_and_latent_attention_are_refused(config, part):
-    """Routed experts and multi-head latent attention have no count in the memory model: refused by name, never
-    estimated as a dense Llama layer (DeepSeek-V3 would have come out at 40B parameters, not 671B)."""
+    """Routed experts and multi-head latent attention outside the measured families (``planner.sparse.MODELED``:
+    DeepSeek-V3, V3.2, GLM-5, Mixtral) have no validated count: refused by name, never estimated as dense layers."""
     with pytest.raises(ValueError, match=f"no count for its {part}"):
         ModelShape.from_config(config)
+
+
+# -- routed experts, latent attention, DeepSeek sparse attention (planner.sparse) --------------------------------------
+DSA_MEASUREMENTS = os.path.join(ROOT, "docs", "benchmarks", "dsa_memory", "memory.json")
+
+
+def _as_counted(config) -> ModelShape:
+    """A Qwen3-MoE config's shape with its experts counted (``from_config`` refuses it: not measured)."""
+    from hf_sp_trainer.planner.sparse import SparseShape
+
+    dense = transformers.LlamaConfig(
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads, head_dim=getattr(config, "head_dim", None),
+    )  # fmt: skip
+    return replace(ModelShape.from_config(dense), sparse=SparseShape.from_config(config))
+
+
+QWEN3_MOE_TINY = dict(  # MoE every second layer but the last (decoder_sparse_step, mlp_only_layers); q / k norms
+    hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, num_experts=8, vocab_size=1000, decoder_sparse_step=2, mlp_only_layers=[3],
+)  # fmt: skip
+
+
+def _sparse_configs() -> dict:
+    bm = bench_memory()
+    small = {"vocab_size": 512, "num_hidden_layers": 3}
+    return {
+        "dsv3-small": transformers.DeepseekV3Config(**bm.DSV3_SMALL),
+        "dsv32-small": transformers.DeepseekV32Config(**bm.DSV32_SMALL),
+        "dsv3-q-proj-bias": transformers.DeepseekV3Config(
+            **(bm.DSV3_SMALL | small | {"q_lora_rank": None, "attention_bias": True})
+        ),
+        "dsv32-mlp-types": transformers.DeepseekV32Config(
+            **(bm.DSV32_SMALL | small | {"mlp_layer_types": ["sparse", "dense", "sparse"]})
+        ),
+        "glm5-shared-indexers": transformers.GlmMoeDsaConfig(
+            **(bm.DSV32_SMALL | {"num_hidden_layers": 5}), index_topk_freq=2
+        ),
+        "mixtral": transformers.MixtralConfig(**bm.MIXTRAL_SMALL),
+        "qwen3_moe": transformers.Qwen3MoeConfig(**QWEN3_MOE_TINY),
+    }
+
+
+@pytest.mark.parametrize("name", ["dsv3-small", "dsv32-small", "dsv3-q-proj-bias", "dsv32-mlp-types",
+                                  "glm5-shared-indexers", "mixtral", "qwen3_moe"])  # fmt: skip
+def test_sparse_parameter_count_matches_the_model(name):
+    """MLA (with / without q_lora_rank, biases), MoE after dense layers (first_k_dense_replace, mlp_layer_types), DSA
+    indexers (GLM-5's shared layers have none), Mixtral / Qwen3-MoE experts: exactly what transformers builds."""
+    config = _sparse_configs()[name]
+    m = _as_counted(config) if config.model_type == "qwen3_moe" else ModelShape.from_config(config)
+    assert m.sparse is not None and m.params == _meta_params(config)
+    if name == "glm5-shared-indexers":
+        assert (m.sparse.indexers, m.sparse.dsa_layers) == (3, 5)
+
+
+@pytest.mark.parametrize(
+    "config, billions", [(transformers.DeepseekV3Config(), 671.03), (transformers.DeepseekV32Config(), 671.88),
+                         (transformers.GlmMoeDsaConfig(), 743.91)], ids=["deepseek_v3", "deepseek_v32", "glm5"],
+)  # fmt: skip
+def test_full_size_moe_parameters(config, billions):
+    """The default configs: DeepSeek-V3 671B (V3.2 + its 61 indexers), GLM-5 744B; not the 40B / 50B a dense count of
+    the same fields gives."""
+    m = ModelShape.from_config(config)
+    assert m.params / 1e9 == pytest.approx(billions, abs=0.01)
+    assert replace(m, sparse=None).params < m.params / 10  # counted as dense layers
+
+
+def test_sparse_lora_is_refused():
+    """PEFT's all-linear on an MoE model wraps the experts' 3D tensors and the router (version-dependent): not
+    modeled, refused rather than counted as the attention's linears."""
+    m = ModelShape.from_config(transformers.DeepseekV32Config(**bench_memory().DSV32_SMALL))
+    with pytest.raises(ValueError, match="LoRA on routed-expert models is not modeled"):
+        estimate(m, Setting(gpus=1, sp=1, lora=True), 4096)
+
+
+def test_dsa_selection_grows_with_sp():
+    """Under SP a DSA layer keeps the whole sequence's top-k selection (int32) on every rank: at a fixed length its
+    saved activations shrink with sp less than the model without DSA's, by the selection's ``length x topk x 4``
+    bytes per layer; at sp 1 transformers' DSA is O(s^2) (its [s, s] masks and indexer scores)."""
+    configs = _sparse_configs()
+    dsa, mla = (ModelShape.from_config(configs[n]) for n in ("dsv32-small", "dsv3-small"))
+    length, topk, layers = 16384, dsa.sparse.index_topk, dsa.layers
+    for sp in (2, 4, 8):
+        s = Setting(gpus=sp, sp=sp, checkpointing="none", dtype="fp32", device="cpu")
+        extra = estimate(dsa, s, length).saved_activations - estimate(mla, s, length).saved_activations
+        assert extra == pytest.approx(layers * length * (topk * 4 + 8) - layers * dsa.heads * 48 * 4 * length / sp)
+    one = Setting(gpus=1, sp=1, checkpointing="none", dtype="fp32", device="cpu")
+    grow = [estimate(dsa, one, n).peak - estimate(mla, one, n).peak for n in (2048, 4096, 8192)]
+    assert grow[2] / grow[1] > 3 and grow[1] / grow[0] > 3  # quadratic at sp 1
+
+
+def test_sparse_measurements_within_tolerance():
+    """scripts/bench_memory.py on the DeepSeek-V3-shaped (MLA + MoE), V3.2-shaped (+ DSA) and Mixtral-shaped (MoE behind
+    grouped-query attention) small models, sp 1 and 2, plain and checkpointed: the whole peak and the step's own
+    memory, as for the dense rows."""
+    with open(DSA_MEASUREMENTS) as f:
+        rows = json.load(f)["rows"]
+    bm = bench_memory()
+    shapes = {name: ModelShape.from_config(bm.model_config(name, 1024), name) for name in {r["model"] for r in rows}}
+    assert set(shapes) == {"dsv3-small", "dsv32-small", "mixtral-small"} and {r["sp"] for r in rows} == {1, 2}
+    assert len(rows) >= 24
+    failures, lines = [], []
+    for row in rows:
+        c = compare(shapes[row["model"]], row)
+        lines.append(f"{row['model']:>13} sp{row['sp']} {row['combo']:>9} {row['length']:>6}: measured "
+                     f"{c['measured']:6.0f} predicted {c['predicted']:6.0f} MiB ({c['error']:+.1%}); step "
+                     f"{c['step_measured']:5.0f} vs {c['step_predicted']:5.0f} ({c['step_error']:+.1%})")  # fmt: skip
+        if abs(c["error"]) > TOLERANCE or (c["step_measured"] >= STEP_FLOOR_MB and abs(c["step_error"]) > TOLERANCE):
+            failures.append(lines[-1])
+    print("\n".join(lines))
+    assert not failures, "\n".join(failures)
+
+
+def test_cli_text_on_a_sparse_config(tmp_path):
+    transformers.DeepseekV32Config(**bench_memory().DSV32_SMALL).save_pretrained(tmp_path / "dsv32-small")
+    code, out = _run_cli("--model", str(tmp_path / "dsv32-small"), "--gpus", "2", "--gpu-memory-gib", "4", "--device",
+                         "cpu", "--dtype", "fp32", "--table-zero", "0")  # fmt: skip
+    assert code == 0, out
+    assert "sparse: latent attention (q rank 128, kv rank 64, q/k head 32+16, v head 48); 3 MoE layers (16 " in out
+    assert "4 DSA layers (4 indexers of 4 x 32, top-256)" in out
 
 
 def test_pure_state_space_models_are_refused():

@@ -203,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.gpus} x {args.gpu_memory_gib:g} GiB")  # fmt: skip
     if shape.gdn_layers or shape.conv_layers:
         print(f"hybrid: {_hybrid(shape)}")
+    if shape.sparse:
+        print(f"sparse: {shape.sparse.describe(shape)}")
     if shape.vision:
         v = shape.vision
         print(f"vision tower: {v.params / 1e6:.1f}M parameters, {v.depth} blocks of {v.hidden}; "

@@ -1,6 +1,7 @@
 """The memory planner: what fits on a GPU for a model, a sequence length and a stack of memory features
-(``memory_model``), with the per-token and fixed costs of hybrid mixers (``mixers``) and of a VLM's vision tower
-(``vision``). ``hf-sp-plan`` (``cli/plan.py``) prints its tables."""
+(``memory_model``), with the per-token and fixed costs of hybrid mixers (``mixers``), of routed experts, latent and
+DeepSeek sparse attention (``sparse``) and of a VLM's vision tower (``vision``). ``hf-sp-plan`` (``cli/plan.py``)
+prints its tables."""
 
 from ..topology import split_sp_size
 from .memory_model import (

@@ -23,6 +23,10 @@ Hybrid models (``config.layer_types``): Gated DeltaNet layers (``linear_attentio
 short conv layers (``conv``: LFM2) save what ``mixers.mixer_per_token`` counts instead of the attention
 tensors, plus the length-independent SP summaries of ``mixer_fixed``; their docstrings state what is assumed.
 
+Routed experts, latent and DeepSeek sparse attention (DeepSeek-V3, V3.2, GLM-5, Mixtral): ``sparse``
+counts their parameters and what a dense-MLP and an MoE layer save in place of the Llama-style layer's; its docstring
+states what is assumed.
+
 VLMs (a ``vision_config``): the tower's weights and, per rank, the whole row's pixels and (trained tower) its saved
 activations are added (``vision``: SP's whole-media mode encodes every image on every rank).
 
@@ -40,6 +44,7 @@ from typing import NamedTuple
 from ..memory.keep_budget import exchange_kept_bytes, sequence_aware_kept_bytes
 from ..topology import split_sp_size
 from .mixers import check_modeled_layers, mixer_fixed, mixer_per_token
+from .sparse import SparseShape, dsa_fixed, sparse_kinds
 from .vision import VisionShape, vision_memory
 
 GIB, MIB = 2**30, 2**20
@@ -81,6 +86,7 @@ class ModelShape:
     conv_width: int = 4  # GDN's linear_conv_kernel_dim, LFM2's conv_L_cache
     gated_attention: bool = False  # Qwen3.5 / Qwen3-Next attention: q_proj also yields an output gate; q/k norms
     vision: VisionShape | None = None  # a VLM's tower (planner.vision); the fields above are its text decoder's
+    sparse: SparseShape | None = None  # routed experts / MLA / DSA (planner.sparse)
 
     @classmethod
     def from_config(cls, config, name: str = "") -> ModelShape:
@@ -113,7 +119,7 @@ class ModelShape:
             linear_k_dim=getattr(text, "linear_key_head_dim", 0) or 0,
             linear_v_dim=getattr(text, "linear_value_head_dim", 0) or 0,
             conv_width=getattr(text, "linear_conv_kernel_dim", None) or getattr(text, "conv_L_cache", None) or 4,
-            gated_attention=text.model_type.startswith(("qwen3_5", "qwen3_next")),
+            gated_attention=text.model_type.startswith(("qwen3_5", "qwen3_next")), sparse=SparseShape.from_config(text),
         )  # fmt: skip
 
     @property
@@ -144,11 +150,15 @@ class ModelShape:
     @property
     def layer_params(self) -> int:
         """The largest layer's parameters (every layer's for a dense model)."""
+        if self.sparse is not None:
+            return self.sparse.largest_layer_params(self)
         kinds = ["attention"] * (self.attention_layers > 0) + ["gdn"] * (self.gdn_layers > 0)
         return max(self._kind_params(k) for k in kinds + ["conv"] * (self.conv_layers > 0))
 
     @property
     def all_layer_params(self) -> int:
+        if self.sparse is not None:
+            return self.sparse.all_layer_params(self)
         return (self.attention_layers * self._kind_params("attention") + self.gdn_layers * self._kind_params("gdn")
                 + self.conv_layers * self._kind_params("conv"))  # fmt: skip
 
@@ -162,6 +172,8 @@ class ModelShape:
 
     def lora_params(self, r: int) -> int:
         """Adapters on every linear layer of every decoder layer (PEFT ``all-linear``: not the LM head)."""
+        if self.sparse is not None:
+            return self.sparse.lora_params(self, r)
         h, q, kv, i = self.hidden, self.q_dim, self.kv_heads * self.head_dim, self.intermediate
         hv, vd = self.linear_v_heads, self.linear_v_dim
         gdn = (h + self.conv_channels) + 2 * (h + hv * vd) + 2 * (h + hv)
@@ -304,7 +316,8 @@ def estimate(m: ModelShape, s: Setting, length: int) -> Breakdown:
     optimizer_states = trainable * (12 if b == 2 else 8) / opt_shards
     buckets = trainable * b if (s.zero == 0 and n > 1) else 0.0  # DDP's flat gradient buckets
     if cpu:  # single-tensor AdamW: sqrt and division temporaries of the largest tensor
-        largest = max(m.head_params, m.hidden * max(m.intermediate, m.q_dim)) if not s.lora else 0
+        largest = max(m.head_params, m.hidden * max(m.intermediate, m.q_dim))
+        largest = 0 if s.lora else (m.sparse.largest_tensor(m) if m.sparse else largest)
         optimizer_step = 2 * 4 * largest
     else:  # multi-tensor AdamW / ZeRO: one fp32 copy of the local optimizer shard (upcast grads or sqrt(v))
         optimizer_step = 4 * trainable / opt_shards
@@ -319,12 +332,16 @@ def estimate(m: ModelShape, s: Setting, length: int) -> Breakdown:
         optimizer_states += vision["optimizer_states"]
         buckets += vision["buckets"]
 
-    kinds = [(m.attention_layers, _layer_activations(m, s, ulysses, ring, tokens))]
+    if m.sparse is not None:  # routed experts / MLA / DSA: a dense-MLP and an MoE kind
+        kinds = sparse_kinds(m, s, ulysses, ring, tokens)
+    else:
+        kinds = [(m.attention_layers, _layer_activations(m, s, ulysses, ring, tokens))]
     kinds += [(n, _hybrid_activations(m, s, ring, tokens, kind)) for n, kind in
               ((m.gdn_layers, "gdn"), (m.conv_layers, "conv")) if n]  # fmt: skip
     kinds = [(n, layer) for n, layer in kinds if n]
     per_layer_saved = max(layer["saved"] for _, layer in kinds)
     saved = sum(n * layer["saved"] for n, layer in kinds) + vision["saved"]
+    saved += dsa_fixed(m.sparse, tokens, s.sp) if m.sparse else 0.0
     host = 0.0
     if s.offload and not cpu:  # checkpoints live on the host but for the layers being copied
         host = max(0, m.layers - OFFLOAD_IN_FLIGHT) * kinds[0][1]["checkpoint"]  # the same for every kind
@@ -343,9 +360,12 @@ def estimate(m: ModelShape, s: Setting, length: int) -> Breakdown:
         working_set += ZERO3_LIVE_LAYERS * m.layer_params * b
         loss += m.head_params * b
     # gradients present while the first layer runs backward: all but its own and the embedding's
-    early = 1 - (1 / m.layers if s.lora else (m.layer_params + (0 if m.tied else m.head_params)) / m.params)
+    first = m.sparse.first_layer_params(m) if m.sparse else m.layer_params
+    early = 1 - (1 / m.layers if s.lora else (first + (0 if m.tied else m.head_params)) / m.params)
     lazy = buckets if cpu else 0.0  # on CPU the rebuilt buckets are touched (resident) as gradients arrive
     activation_phase = saved + max(loss, head_grad + working_set) + (head_grad if lazy else 0.0)
+    forward = max(layer.get("forward", 0.0) for _, layer in kinds)  # a DSA indexer's scores, in the last layer's
+    activation_phase = max(activation_phase, saved - per_layer_saved + forward)  # forward (before its saved tensors)
     gradient_phase = max((gradients + lazy) * early + per_layer_saved + working_set,
                          gradients + lazy + optimizer_step)  # fmt: skip
     runtime = CPU_RUNTIME_MIB * MIB if cpu else CUDA_OVERHEAD_GIB * GIB

@@ -8,6 +8,7 @@ import re
 from typing import TYPE_CHECKING
 
 from ..model.mixers import LAYER_TYPE_FIELDS as MODEL_LAYER_TYPE_FIELDS
+from .sparse import MODELED as SPARSE_MODELED
 
 if TYPE_CHECKING:
     from .memory_model import ModelShape
@@ -22,11 +23,14 @@ ATTENTION_TYPES = re.compile(r"^(full_attention|sliding_attention|attention|chun
 def unmodeled_layers(text) -> list[str]:
     """The layer types of a text config the memory model has no count for (Mamba2 and Kimi delta attention, which
     transformers also types ``linear_attention``, lightning attention, MLP-only layers, ...): it models attention,
-    Gated DeltaNet (``linear_attention`` with ``linear_num_value_heads``) and LFM2's short convs (``conv``)."""
+    Gated DeltaNet (``linear_attention`` with ``linear_num_value_heads``), LFM2's short convs (``conv``) and the DSA
+    layers (``indexed_attention``) of ``sparse.MODELED``'s families."""
     field = next((f for f in LAYER_TYPE_FIELDS if getattr(text, f, None)), None)
     kinds = getattr(text, field) if field else []
     gdn = bool(getattr(text, "linear_num_value_heads", 0)) and "kimi" not in getattr(text, "model_type", "")
-    modeled = lambda kind: ATTENTION_TYPES.match(kind) or kind == "conv" or (gdn and kind == "linear_attention")  # noqa: E731
+    dsa = getattr(text, "model_type", "") in SPARSE_MODELED
+    modeled = lambda kind: (ATTENTION_TYPES.match(kind) or kind == "conv" or (gdn and kind == "linear_attention")  # noqa: E731
+                            or (dsa and kind == "indexed_attention"))  # fmt: skip
     return sorted({str(kind) for kind in kinds if not modeled(str(kind))})
 
 
@@ -39,7 +43,10 @@ LATENT_FIELDS = ("kv_lora_rank",)
 
 def unmodeled_parts(text) -> list[str]:
     """The parts of a text config the memory model would silently count as a dense Llama-style layer: routed
-    experts (``EXPERT_FIELDS``) and multi-head latent attention (``LATENT_FIELDS``)."""
+    experts (``EXPERT_FIELDS``) and multi-head latent attention (``LATENT_FIELDS``), but in the families
+    ``sparse.MODELED`` models (DeepSeek-V3, DeepSeek-V3.2, GLM-5, Mixtral)."""
+    if getattr(text, "model_type", "") in SPARSE_MODELED:
+        return []
     parts = [f"routed experts ({f}={getattr(text, f)})" for f in EXPERT_FIELDS if getattr(text, f, None)][:1]
     parts += [f"multi-head latent attention ({f}={getattr(text, f)})" for f in LATENT_FIELDS if getattr(text, f, None)]
     return parts
@@ -50,16 +57,17 @@ def check_modeled_layers(text, name: str) -> None:
     if unmodeled := unmodeled_layers(text):
         raise ValueError(
             f"{name}: the memory model has no count for its layer types {unmodeled}: it models attention, Gated "
-            "DeltaNet (Qwen3.5, Qwen3-Next) and short-conv (LFM2) layers; Mamba1, Mamba2, Kimi delta, lightning "
-            "attention and RG-LRU layers (which transformers also types 'linear_attention') and DeepSeek sparse "
-            "attention ('indexed_attention': its gathered top-k and indexer keys) are not modeled yet. "
+            "DeltaNet (Qwen3.5, Qwen3-Next), short-conv (LFM2) and DeepSeek-V3.2 / GLM-5 sparse attention layers; "
+            "Mamba1, Mamba2, Kimi delta, lightning attention and RG-LRU layers (which transformers also types "
+            "'linear_attention') and other families' sparse attention are not modeled yet. "
             "Measure such a model with scripts/bench_memory.py."
         )
     if parts := unmodeled_parts(text):
         raise ValueError(
             f"{name}: the memory model has no count for its {' and '.join(parts)}: it models dense Llama-style MLPs "
-            "and multi-head / grouped-query attention, and would count these as such (wrong weights, optimizer "
-            "states and activations). Measure such a model with scripts/bench_memory.py."
+            "and multi-head / grouped-query attention (and, measured, the experts and latent attention of DeepSeek-V3 "
+            "/ V3.2, GLM-5 and Mixtral), and would count these as such (wrong weights, optimizer states and "
+            "activations). Measure such a model with scripts/bench_memory.py."
         )
 
 
