@@ -581,3 +581,16 @@ def test_cli_text_on_a_vlm_config(tmp_path):
     assert code == 0, out
     assert "vision tower: 0.9M parameters, 2 blocks of 128; 50% of the row image placeholders (4 patches each)" in out
     assert "of which the vision tower's" in out
+
+
+def test_sequence_aware_auto_and_offload_are_refused_for_sparse_models():
+    """What ``sequence_aware`` (and ``auto``) keeps of MoE / MLA / DSA layers, and offloading, is not counted: refused
+    by name, in estimates and in ``hf-sp-plan``; the table leaves those rows out."""
+    m = ModelShape.from_config(transformers.DeepseekV32Config())
+    for setting in (Setting(gpus=8, sp=8, checkpointing="sequence_aware"), Setting(gpus=8, sp=8, offload=True)):
+        with pytest.raises(ValueError, match="no count for checkpoint_policy='sequence_aware'"):
+            estimate(m, setting, 8192)
+    with pytest.raises(ValueError, match="no count for checkpoint_policy='sequence_aware' / 'auto'"):
+        planner.auto_kept_layers(m, Setting(gpus=8, sp=8), 8192, 80 * planner.GIB)
+    stacks = {row["stack"] for row in planner.plan_table(m, Setting(gpus=8, sp=8, zero=3), 80 * planner.GIB, [3])}
+    assert "all, sequence_aware" not in stacks and "+ activation offload" not in stacks and "checkpointing" in stacks

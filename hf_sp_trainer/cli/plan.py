@@ -19,6 +19,7 @@ from dataclasses import asdict, replace
 
 from .. import planner
 from ..planner import GIB, MIB, ModelShape, Setting
+from ..planner.sparse import check_setting
 from ..planner.vision import VisionShape
 
 
@@ -176,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         setting.validate()
         ulysses, ring = planner.split_sp_size(setting.sp, shape.heads, setting.ring)
+        check_setting(shape, setting, auto=args.checkpointing == "auto")
     except ValueError as exc:
         print(f"hf-sp-plan: {exc}", file=sys.stderr)
         return 2

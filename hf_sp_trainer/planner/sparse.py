@@ -265,10 +265,25 @@ def layer_activations(m: ModelShape, s: Setting, ulysses: int, tokens: int, moe:
             "forward": transient}  # fmt: skip
 
 
+UNMODELED_SETTINGS = "checkpoint_policy='sequence_aware' / 'auto' and checkpoint offloading"
+
+
+def check_setting(m: ModelShape, s: Setting, auto: bool = False) -> None:
+    """A ``ValueError`` for what the memory model does not count with these layers (not measured): what
+    ``sequence_aware`` (and ``auto``) keeps of them, and offloading."""
+    if m.sparse is not None and (auto or s.checkpointing == "sequence_aware" or s.offload):
+        raise ValueError(
+            f"{m.name}: the memory model has no count for {UNMODELED_SETTINGS} with routed experts, latent or sparse "
+            "attention (not measured): plan with --checkpointing none or full and no offload, or measure with "
+            "scripts/bench_memory.py."
+        )
+
+
 def sparse_kinds(m: ModelShape, s: Setting, ulysses: int, ring: int, tokens: int) -> list[tuple[int, dict]]:
     """``(layers, layer_activations)`` of the dense-MLP and the MoE layers of ``m``."""
     sparse = m.sparse
     assert sparse is not None
+    check_setting(m, s)
     if sparse.dsa_layers and ring > 1:
         raise ValueError("DeepSeek sparse attention under SP runs Ulysses only (no ring): sp must divide the heads.")
     kinds = [(m.layers - sparse.moe_layers, False), (sparse.moe_layers, True)]
