@@ -83,7 +83,7 @@ class SequenceParallelMixin:
                 bound.arguments["data_collator"] = collator
         if training_args is not None:  # TRL's activation_offloading means ours (checkpoint_offloading), as it did
             resolve_deprecated_flags(training_args)
-            if model is not None:  # before the accelerator is built from the arguments
+            if isinstance(model, nn.Module):  # before the accelerator is built (TRL may get a hub id: no indexer)
                 tell_ddp_of_no_grad_indexers(model, training_args)
         super().__init__(*bound.args, **bound.kwargs)
         teardown.register_exit_hook()  # a script that ends without trainer.end() still exits cleanly (sp_size 1 too)
