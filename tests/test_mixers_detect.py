@@ -17,7 +17,6 @@ pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below ar
 REFUSED = {  # model type, class: what the error must name
     "zaya": ("ZayaForCausalLM", ["Conv1d", "a convolution over the sequence"]),
     "xlstm": ("xLSTMForCausalLM", ["attention registry"]),
-    "doge": ("DogeForCausalLM", ["DogeAttention", "computes its own mask"]),
     "bert-generation": ("BertGenerationDecoder", ["is_causal=False"]),
 }
 EXACT = {
@@ -36,6 +35,7 @@ EXACT = {
     "hy_v4_vl_text": "HYV4VLTextModel",  # HY-V4-VL's decoder: the same, its own classes (no causal LM)
     "glm5_next_text": "Glm5NextTextModel",  # pooled DSA (attention/pooled_dsa.py) and KDA layers (no causal LM)
     "deepseek_v4": "DeepseekV4ForCausalLM",  # window + compressed entries: its attention's forward swapped
+    "doge": "DogeForCausalLM",  # a learned per-key bias and its top-k (attention/doge.py): its forward swapped
 }
 
 

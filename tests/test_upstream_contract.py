@@ -58,6 +58,7 @@ M3 = "transformers.models.minimax_m3_vl.modeling_minimax_m3_vl"
 ML4 = "transformers.models.mistral_large4.modeling_mistral_large4"
 HY4, HY4VL = "transformers.models.hy_v4.modeling_hy_v4", "transformers.models.hy_v4_vl.modeling_hy_v4_vl"
 G5N = "transformers.models.glm5_next.modeling_glm5_next"
+DOGE = "transformers.models.doge.modeling_doge"
 INDEXER = ("n_heads", "head_dim", "qk_rope_head_dim", "index_topk", "wq_b", "wk", "k_norm", "weights_proj")
 GRPO, RLOO = "trl.trainer.grpo_trainer.GRPOTrainer", "trl.trainer.rloo_trainer.RLOOTrainer"
 SFT, DPO, KTO, REWARD = (
@@ -175,6 +176,16 @@ CONTRACT: list[Member] = [
                    "append_visible_tail", "softmax_scale", "index_topk", "index_kpool")),
     Member(f"{G5N}.Glm5NextTextIndexer.get_pooled_states", "attention/pooled_dsa.py pool_keys computes its pools",
            params=("self", "packed_states"), refers=("index_kpool_compress_ape", "softmax", "index_kpool")),
+    Member(f"{DOGE}.DogeAttention.forward",
+           "mixers/selection.py swaps it; attention/doge.py runs its projections and dynamic mask under SP",
+           params=("self", "hidden_states", "position_embeddings", "attention_mask", "cache"),
+           refers=("q_proj", "k_proj", "v_proj", "q_norm", "k_norm", "apply_rotary_pos_emb", "dt_proj", "A", "softplus",
+                   "prepare_dynamic_mask", "keep_window_size", "repeat_kv", "o_proj", "scaling", "attention_dropout")),
+    Member(f"{DOGE}.DogeAttention.prepare_dynamic_mask", "attention/doge.py dynamic_selection / dynamic_bias",
+           params=("self", "hidden_states", "dt_states", "keep_window_size", "attention_mask"),
+           refers=("topk", "masked_fill", "scatter")),
+    Member(f"{DOGE}.DogeModel.forward", "attention/doge.py applies config.sliding_window as the model's mask does",
+           refers=("sliding_window", "create_sliding_window_causal_mask", "create_causal_mask")),
     Member(f"{ML4}.MistralLarge4TextAttention.forward",
            "mixers/swap.py swaps it (behaviour-checked): a mask placeholder; its top-k returned for a shared layer",
            params=("self", "hidden_states", "position_embeddings", "attention_mask", "shared_kv_states", "position_ids",

@@ -20,6 +20,7 @@ from ..attention.dsa import PROJECTIONS, document_causal, document_ids, selected
 from ..sharding import SequenceSharding
 from .block_checks import block_sparse_ok
 from .check_parts import close, dispatch_device, on_device, random_module, rotary_embedding
+from .doge_checks import doge_attention_ok
 from .lightning import lightning_forward
 from .mamba2 import run_decay, step_sizes
 from .ple_checks import ngram_ok, ple_conv_ok
@@ -271,6 +272,7 @@ _MODULE_CHECKS: dict[str, Callable[[type, Callable], bool]] = {
     "Qwen4ExpTextNGramEmbedding": ngram_ok,  # ple_checks.py
     "Qwen4ExpTextPLELayer": ple_conv_ok,
     "DeepseekV4Attention": v4_attention_ok,  # v4_checks.py
+    "DogeAttention": doge_attention_ok,  # doge_checks.py
     "MiniMaxM3VLIndexer": block_sparse_ok,  # and its attention's hand-over: block_checks.py
     "MiniMaxLightningAttention": _lightning_ok,
     "RecurrentGemmaRecurrentBlock": _recurrent_block_ok,

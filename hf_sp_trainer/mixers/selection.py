@@ -1,6 +1,6 @@
 """The swapped entries of the top-k sparse attentions (``mixers.swap``'s ``MODULE_ENTRIES``): DeepSeek sparse attention
-(``attention/dsa.py``), MiniMax-M3's block-sparse attention (``attention/block_sparse.py``) and Qwen4-Exp's
-query-sparse attention (``attention/qsa.py``).
+(``attention/dsa.py``), MiniMax-M3's block-sparse attention (``attention/block_sparse.py``), Qwen4-Exp's
+query-sparse attention (``attention/qsa.py``) and Doge's dynamic-mask attention (``attention/doge.py``).
 
 Each runs transformers' own forward outside an SP forward, the SP version inside one, and raises inside one when SP's
 document bounds did not reach it (``documents.refuse_without_documents``).
@@ -15,6 +15,7 @@ import torch
 
 from ..attention.block_sparse import m3_projection, sp_block_topk
 from ..attention.deepseek_v4 import v4_attention_forward
+from ..attention.doge import doge_attention_forward
 from ..attention.dsa import INDICES_KWARG, POSITIONAL_PROJECTIONS, PROJECTIONS, placeholder_mask, sp_index_topk
 from ..attention.pooled_dsa import glm5_next_attention_forward, pooled_projection, sp_pooled_topk
 from ..attention.qsa import qsa_projection, sp_qsa_select
@@ -269,5 +270,28 @@ def v4_attention_entry(original: Callable) -> Callable:
         group, rank = (None, 0) if ctx.topology is None else (ctx.topology.sp_group, ctx.topology.sp_rank)
         out = v4_attention_forward(self, hidden_states, position_embeddings, position_ids, bounds, group, rank)
         return out, None
+
+    return forward
+
+
+def doge_attention_entry(original: Callable) -> Callable:
+    """Doge's attention (``DogeAttention``): under SP ``attention.doge.doge_attention_forward`` (its dynamic mask's
+    top-k over each document's visible keys, where transformers builds it over its row's mask); transformers' own
+    otherwise."""
+
+    @functools.wraps(original)
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
+        sp = selection_sp(kwargs, type(self).__name__)
+        if sp is None:
+            return original(
+                self, hidden_states=hidden_states, position_embeddings=position_embeddings,
+                attention_mask=attention_mask, cache=cache, **kwargs,
+            )  # fmt: skip
+        if cache is not None:
+            raise ValueError(f"{type(self).__name__} under sequence parallelism runs without a cache.")
+        if self.training and self.attention_dropout:
+            raise ValueError("Doge under sequence parallelism has no attention dropout: set attention_dropout=0.")
+        bounds, topology = sp
+        return doge_attention_forward(self, hidden_states, position_embeddings, bounds, topology.ulysses_group), None
 
     return forward

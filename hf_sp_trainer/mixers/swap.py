@@ -46,6 +46,7 @@ from .rg_lru import recurrent_block_forward, sp_rnn_scan
 from .runs import shard_runs
 from .selection import (
     block_indexer_entry,
+    doge_attention_entry,
     dsa_attention_entry,
     dsa_indexer_entry,
     pooled_attention_entry,
@@ -353,6 +354,7 @@ MODULE_ENTRIES: dict[str, tuple[str, Callable[[Callable], Callable], str]] = {
     "Qwen4ExpTextPLELayer": ("_short_conv", _ple_conv_entry, "the exact SP dilated conv of Qwen4-Exp's PLE layers"),
     "DeepseekV4Attention": ("forward", v4_attention_entry, "DeepSeek-V4's window and compressed entries under SP"),
     "MiniMaxM3VLIndexer": ("forward", block_indexer_entry, "MiniMax-M3's block top-k over the whole sequence"),
+    "DogeAttention": ("forward", doge_attention_entry, "Doge's dynamic mask over each document's keys under SP"),
 }
 assert set(MODULE_ENTRIES) == set(SP_MODULES), "detect.SP_MODULES must name exactly the swapped classes"
 _FIX = "Use sp_size=1 for this model, or the transformers version hf_sp_trainer is tested with."

@@ -61,6 +61,7 @@ SP_ATTENTIONS = (
     "Glm5NextTextAttention",  # GLM-5-Next: pools of keys from each document's start, no RoPE (attention/pooled_dsa.py)
     "Qwen4ExpTextAttention",  # query-sparse: top blocks of pooled keys plus its own block's tail (attention/qsa.py)
     "DeepseekV4Attention",  # window + compressed entries (CSA's picked by its indexer), sinks: attention/deepseek_v4.py
+    "DogeAttention",  # a learned per-key bias, each query's top keys by it (attention/doge.py)
 )
 SP_INDEXERS = (
     "DeepseekV32Indexer",
@@ -122,7 +123,14 @@ MIXING_FUNCTION = re.compile(r"conv|delta|scan|selective|recurren|lightning|ssd|
 # (the module neither holds nor passes it: PhiMoE builds its mask with ``create_sliding_window_causal_mask`` when
 # ``config.sliding_window`` is set). SP gives that window to the attention itself (``mask_only_window``); the family
 # suite crosses the window under its rows, so a modeling change that breaks this fact fails there.
-MASK_ONLY_WINDOWS = {"PhimoeAttention": "sliding_window"}
+MASK_ONLY_WINDOWS = {
+    "PhimoeAttention": "sliding_window",
+    "DogeAttention": "sliding_window",  # its swapped forward applies it (attention/doge.py), as the model's mask does
+}
+# Modules that mix tokens outside attention by a reshape, named by class: Doge's product-key MoE splits its router
+# logits ``[b, s, 2k]`` as ``view(2, b * s, k)``, so a token's routing reads other tokens' logits (its modeling code
+# says so), which a rank's shard, or a document alone, doesn't hold
+TOKEN_MIXING_MODULES = {"DogeCDMoE": "a router that reads other tokens' logits (a reshape across the sequence)"}
 # Modules that read earlier tokens' ids (n-gram embeddings): each rank's first tokens would miss theirs under SP
 TOKEN_HISTORY = re.compile(r"N[Gg]ram(Embedding|Hash)")
 HYBRID_ADVICE = (
@@ -142,6 +150,8 @@ def sequence_mixers(model: torch.nn.Module) -> list[tuple[str, str, str]]:
             continue  # a mixer SP runs exactly, a part of it, or a layer holding it (checked on its own)
         if isinstance(module, _ConvNd):
             found.append((name, cls, "a convolution over the sequence"))
+        elif cls in TOKEN_MIXING_MODULES:
+            found.append((name, cls, TOKEN_MIXING_MODULES[cls]))
         elif TOKEN_HISTORY.search(cls):  # Qwen4-Exp: hashed n-grams of the previous token ids
             found.append((name, cls, "an embedding of the previous tokens' ids (a shard's first tokens lack theirs)"))
         elif _is_mixer_class(model, type(module)) and not _is_inside(name, found) and not _holds(model, module):
