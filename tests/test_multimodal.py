@@ -143,6 +143,7 @@ SP2 = [
     Case("ernie4_5_vl_moe", "many", split=True),  # a video's feature rows: its frames merged in pairs
     Case("qwen4_exp", "mixed"),
     Case("qwen4_exp", "padded"),
+    Case("qwen4_exp", "one_video", split=True),  # its video split over the ranks by frame (FRAME_BASES)
     # GLM-5-Next: pooled DSA (the best 2 pools of 4 keys from each document's start, the query's own pool's tail; a
     # layer reusing the first's selection) with KDA layers, NoPE; images only (its videos are refused under SP)
     Case("glm5_next", "images"),

@@ -55,6 +55,7 @@ FRAME_BASES = frozenset(
     {
         *("Qwen2VLModel", "Qwen2_5_VLModel", "Qwen3VLModel", "Qwen3VLMoeModel", "Qwen3_5Model", "Qwen3_5MoeModel"),
         *("Glm4vModel", "Glm4vMoeModel", "Glm46VModel", "GlmOcrModel"),
+        "Qwen4ExpModel",  # Qwen3.5-MoE's tower: each frame attended alone
     }
 )
 
