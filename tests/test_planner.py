@@ -267,6 +267,21 @@ def qwen35_tiny() -> dict:
     return bench_memory().QWEN35_TINY
 
 
+def assert_within_tolerance(rows: list[dict], shape_of) -> None:
+    """Every measured row's peak and (above ``STEP_FLOOR_MB``) step memory within ``TOLERANCE`` of the planner's
+    prediction for ``shape_of(row)``; the table printed, the failing rows named."""
+    failures, lines = [], []
+    for row in rows:
+        c = compare(shape_of(row), row)
+        lines.append(f"{row.get('model', ''):>13} sp{row['sp']} {row['combo']:>12} {row['length']:>6}: measured "
+                     f"{c['measured']:6.0f} predicted {c['predicted']:6.0f} MiB ({c['error']:+.1%}); step "
+                     f"{c['step_measured']:5.0f} vs {c['step_predicted']:5.0f} ({c['step_error']:+.1%})")  # fmt: skip
+        if abs(c["error"]) > TOLERANCE or (c["step_measured"] >= STEP_FLOOR_MB and abs(c["step_error"]) > TOLERANCE):
+            failures.append(lines[-1])
+    print("\n".join(lines))
+    assert not failures, "\n".join(failures)
+
+
 QWEN35_TINY = qwen35_tiny()
 HYBRID_MEASUREMENTS = os.path.join(ROOT, "docs", "benchmarks", "hybrid", "memory.json")
 
@@ -278,16 +293,7 @@ def test_hybrid_measurements_within_tolerance():
     with open(HYBRID_MEASUREMENTS) as f:
         rows = json.load(f)["rows"]
     assert {r["sp"] for r in rows} == {1, 2} and len(rows) >= 12
-    failures, lines = [], []
-    for row in rows:
-        c = compare(shape, row)
-        lines.append(f"sp{row['sp']} {row['combo']:>12} {row['length']:>6}: measured {c['measured']:6.0f} predicted "
-                     f"{c['predicted']:6.0f} MiB ({c['error']:+.1%}); step {c['step_measured']:5.0f} vs "
-                     f"{c['step_predicted']:5.0f} ({c['step_error']:+.1%})")  # fmt: skip
-        if abs(c["error"]) > TOLERANCE or (c["step_measured"] >= STEP_FLOOR_MB and abs(c["step_error"]) > TOLERANCE):
-            failures.append(lines[-1])
-    print("\n".join(lines))
-    assert not failures, "\n".join(failures)
+    assert_within_tolerance(rows, lambda row: shape)
 
 
 @pytest.mark.parametrize(
@@ -419,16 +425,7 @@ def test_sparse_measurements_within_tolerance():
     shapes = {name: ModelShape.from_config(bm.model_config(name, 1024), name) for name in {r["model"] for r in rows}}
     assert set(shapes) == {"dsv3-small", "dsv32-small", "mixtral-small"} and {r["sp"] for r in rows} == {1, 2}
     assert len(rows) >= 24
-    failures, lines = [], []
-    for row in rows:
-        c = compare(shapes[row["model"]], row)
-        lines.append(f"{row['model']:>13} sp{row['sp']} {row['combo']:>9} {row['length']:>6}: measured "
-                     f"{c['measured']:6.0f} predicted {c['predicted']:6.0f} MiB ({c['error']:+.1%}); step "
-                     f"{c['step_measured']:5.0f} vs {c['step_predicted']:5.0f} ({c['step_error']:+.1%})")  # fmt: skip
-        if abs(c["error"]) > TOLERANCE or (c["step_measured"] >= STEP_FLOOR_MB and abs(c["step_error"]) > TOLERANCE):
-            failures.append(lines[-1])
-    print("\n".join(lines))
-    assert not failures, "\n".join(failures)
+    assert_within_tolerance(rows, lambda row: shapes[row["model"]])
 
 
 def test_cli_text_on_a_sparse_config(tmp_path):

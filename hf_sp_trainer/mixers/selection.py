@@ -63,12 +63,22 @@ def refuse_packed_rows_at_sp1(module: str, rows: int, why: str) -> None:
         )
 
 
+def refuse_cache_and_dropout(module, cache, dropout: bool = False) -> None:
+    """What an SP selecting attention can't run: a cache (cached decoding), and, where ``dropout``, attention dropout
+    in training (its tiles are recomputed in the backward). Raised on every rank alike, before any collective."""
+    if cache is not None:
+        raise ValueError(f"{type(module).__name__} under sequence parallelism runs without a cache.")
+    if dropout and module.training and module.attention_dropout:
+        raise ValueError(
+            f"{type(module).__name__} under sequence parallelism has no attention dropout: set attention_dropout=0."
+        )
+
+
 def whole_sequence_selection(module, sp: tuple, cache, project: Callable, select: Callable) -> torch.Tensor:
     """An indexer's selection under SP (``sp``: ``selection_sp``'s bounds and topology): its projection of this
     rank's tokens (``project()``, no autograd), then ``select`` over the whole sequence gathered across the group.
     Without a cache (SP refuses cached decoding)."""
-    if cache is not None:
-        raise ValueError(f"{type(module).__name__} under sequence parallelism runs without a cache.")
+    refuse_cache_and_dropout(module, cache)
     bounds, topology = sp
     with torch.no_grad():
         projected = project()
@@ -83,8 +93,7 @@ def dsa_attention_entry(original: Callable) -> Callable:
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None, **kwargs):
         sp = selection_sp(kwargs, type(self).__name__)
         if sp is not None:
-            if cache is not None:
-                raise ValueError(f"{type(self).__name__} under sequence parallelism runs without a cache.")
+            refuse_cache_and_dropout(self, cache)
             seq = hidden_states.shape[1] * sp[1].sp_size
             attention_mask = placeholder_mask(hidden_states, seq)
             scope = (*current_scope(), {k: kwargs[k] for k in (BOUNDS_KWARG, SP_KWARG)})
@@ -217,8 +226,7 @@ def qsa_attention_entry(original: Callable) -> Callable:
                 self, hidden_states=hidden_states, position_embeddings=position_embeddings,
                 attention_mask=attention_mask, cache=cache, **kwargs,
             )  # fmt: skip
-        if cache is not None:
-            raise ValueError(f"{type(self).__name__} under sequence parallelism runs without a cache.")
+        refuse_cache_and_dropout(self, cache)
         (bounds, topology), indexer = sp, self.indexer
         with torch.no_grad():
             projected = qsa_projection(indexer, hidden_states, position_embeddings)
@@ -263,10 +271,7 @@ def v4_attention_entry(original: Callable) -> Callable:
                 self, hidden_states=hidden_states, position_embeddings=position_embeddings, position_ids=position_ids,
                 attention_mask=attention_mask, cache=cache, **kwargs,
             )  # fmt: skip
-        if cache is not None:
-            raise ValueError(f"{type(self).__name__} under sequence parallelism runs without a cache.")
-        if self.training and self.attention_dropout:
-            raise ValueError("DeepSeek-V4 under sequence parallelism has no attention dropout: set attention_dropout=0")
+        refuse_cache_and_dropout(self, cache, dropout=True)
         group, rank = (None, 0) if ctx.topology is None else (ctx.topology.sp_group, ctx.topology.sp_rank)
         out = v4_attention_forward(self, hidden_states, position_embeddings, position_ids, bounds, group, rank)
         return out, None
@@ -287,10 +292,7 @@ def doge_attention_entry(original: Callable) -> Callable:
                 self, hidden_states=hidden_states, position_embeddings=position_embeddings,
                 attention_mask=attention_mask, cache=cache, **kwargs,
             )  # fmt: skip
-        if cache is not None:
-            raise ValueError(f"{type(self).__name__} under sequence parallelism runs without a cache.")
-        if self.training and self.attention_dropout:
-            raise ValueError("Doge under sequence parallelism has no attention dropout: set attention_dropout=0.")
+        refuse_cache_and_dropout(self, cache, dropout=True)
         bounds, topology = sp
         return doge_attention_forward(self, hidden_states, position_embeddings, bounds, topology.ulysses_group), None
 
