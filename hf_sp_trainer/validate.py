@@ -11,7 +11,7 @@ from .attention.block_attention import check_kernel
 from .attention.position_rules import position_rules
 from .attention.ulysses import VARLEN_KEY, is_sp_key
 from .model.heads import attention_shapes, head_counts
-from .model.mixers import SELECTING_ATTENTIONS, check_sequence_mixers, covered_mixers, uses_attention_registry
+from .model.mixers import ULYSSES_ONLY_SELECTING, check_sequence_mixers, covered_mixers, uses_attention_registry
 from .model.vlm import check_multimodal, text_decoder, uses_image_blocks
 from .topology import split_sp_size
 
@@ -47,7 +47,7 @@ def validate_model_for_sp(
     heads, _ = head_counts(model.config)
     check_sinks(model)
     ulysses, ring = split_sp_size(sp_size, heads, ring_size)
-    sparse = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in SELECTING_ATTENTIONS})
+    sparse = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in ULYSSES_ONLY_SELECTING})
     if ring > 1 and sparse:
         raise ValueError(
             f"{name}'s {sparse[0]} (a top-k sparse attention) runs under Ulysses SP only: sp_size={sp_size} splits "

@@ -27,6 +27,7 @@ FAMILIES = {
     "phi3": "Phi3Config",
     "gemma4": "Gemma4TextConfig",  # per-layer head sizes (a heterogeneous config), per-layer embeddings, shared kv
     "nemotron": "NemotronConfig",  # its decoder layer calls the attention without **kwargs (SP relays its kwargs)
+    "doge": "DogeConfig",  # dynamic-mask attention: each query's top-6 keys by a learned bias, a window of 12
 }
 MOE_FAMILIES = {  # not dense per-token MLPs (tiled_mlp refuses them)
     "mixtral": "MixtralConfig",
@@ -78,6 +79,7 @@ MLA = dict(
     n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32, n_group=1, topk_group=1, **MOE,
 )  # fmt: skip
 FAMILY_OVERRIDES = {
+    "doge": dict(keep_window_size=6, sliding_window=12),  # both under the rows (the top-k and the window act)
     "deepseek_v4": dict(
         layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
         mlp_layer_types=["hash_moe", "moe"],  # its token-id routed layer, then a learned router
@@ -227,6 +229,19 @@ def weak_decay(model: torch.nn.Module, seed: int = 0) -> None:
                 p.copy_(torch.empty(p.shape).uniform_(0.1, 0.5, generator=gen).log())
             elif name.endswith("dt_bias"):
                 p.copy_(torch.full(p.shape, -2.0) + 0.1 * torch.randn(p.shape, generator=gen))
+
+
+def spread_dynamic_bias(model, seed: int = 0) -> None:
+    """Doge's ``A`` (default init 0: its bias ``exp(A softplus(dt_proj(v)))`` is then 1 for every key, and its top-k
+    ties everywhere, picking keys by the row's layout) drawn N(0, 0.5^2) and ``dt_proj`` N(0, 0.1^2): biases of
+    about 0.1 to 10, far apart against fp32 round-off (the top-k one device picks is the same in any layout and for
+    any GEMM shape) and not so large that their logits' round-off dominates (larger ``A`` gives biases of 1e6)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__ == "DogeAttention":
+                m.A.copy_(torch.randn(m.A.shape, generator=gen) * 0.5)
+                m.dt_proj.weight.copy_(torch.randn(m.dt_proj.weight.shape, generator=gen) * 0.1)
 
 
 def init_large_sinks(model, seed: int = 0) -> None:
@@ -404,19 +419,23 @@ def tiny_model(family: str, seed: int = 0, attn: str = "sdpa", **overrides):
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     init_large_sinks(model, seed)
     weak_decay(model, seed)
+    spread_dynamic_bias(model, seed)
     from tests.family_harness import unit_scale_temperature
 
     unit_scale_temperature(model)  # Gemma4: its q / k norms at the usual 1 / sqrt(head_dim) temperature
     return model.float()
 
 
-def synthetic_dataset(n: int, seed: int = 0, min_len: int = 6, max_len: int = 40, masked_prompt: bool = False):
-    """``n`` random token sequences (ids >= 3); ``masked_prompt`` gives long prompts labelled -100."""
+def synthetic_dataset(
+    n: int, seed: int = 0, min_len: int = 6, max_len: int = 40, masked_prompt: bool = False, distinct: bool = False
+):
+    """``n`` random token sequences (ids >= 3); ``masked_prompt`` gives long prompts labelled -100; ``distinct``, no
+    token twice in a sequence."""
     rng = random.Random(seed)
     data = []
     for _ in range(n):
         length = rng.randint(min_len, max_len)
-        ids = [rng.randrange(3, VOCAB) for _ in range(length)]
+        ids = rng.sample(range(3, VOCAB), length) if distinct else [rng.randrange(3, VOCAB) for _ in range(length)]
         row = {"input_ids": ids}
         if masked_prompt:
             prompt = max(1, int(length * 0.8))
@@ -443,6 +462,7 @@ class Case:
     n_eval: int = 6
     eval_batch_size: int = 2
     masked_prompt: bool = False
+    distinct_tokens: bool = False  # no token twice in a document (Doge: a repeated token ties its first layer's top-k)
     min_len: int = 6
     max_len: int = 40
     model_overrides: dict = field(default_factory=dict)
@@ -554,6 +574,7 @@ def build_trainer(case: Case, sp: bool, out_dir: str, ddp: bool = False, **extra
     global_batch = case.batch_size * case.dp_size
     n_train = case.n_train or global_batch * case.grad_accum * case.steps
     lengths = dict(min_len=case.min_len, max_len=case.max_len, masked_prompt=case.masked_prompt)
+    lengths |= dict(distinct=case.distinct_tokens)
     train = synthetic_dataset(n_train, seed=1, **lengths)
     evals = synthetic_dataset(case.n_eval, seed=2, **lengths)
     common = quiet_args(out_dir, case.steps) | dict(

@@ -14,13 +14,13 @@ All but HY-V4-VL have 1-D positions (no ``get_rope_index``); all merge one featu
   indexer's top-``INDEX_TOPK`` keys per query, under the documents' lengths) on its indexed layers, sliding-window
   MLA (window ``WINDOW``, crossing the shards) on the other, MoE; a Qwen2-VL-like tower with MoE blocks, ``[patches,
   12]`` pixel rows, ``t * h * w / 4`` placeholders per grid. Its audio tower is built but not fed (SP refuses audio).
-  DSA runs under Ulysses SP only (a ring is refused), so its cases are Ulysses-only (``ULYSSES_ONLY``).
+  DSA runs under Ulysses and with a ring (the all-gather path: ``attention/dsa.ring_gather``).
 
 - MiniMax-M3-VL (``MiniMaxM3SparseForConditionalGeneration``): a ``minimax_m3_vl_text`` decoder with block-sparse
-  selection (``BLOCK``, under the documents' lengths; Ulysses only); a Conv3d tower, one frame per temporal patch
+  selection (``BLOCK``, under the documents' lengths; Ulysses and ring); a Conv3d tower, one frame per temporal patch
   here, so its pixel rows and placeholders are dots3-note's.
 - HY-V4-VL (``HYV4VLForConditionalGeneration``): a ``hy_v4_vl_text`` decoder, HY-V4's (MLA, DSA top-``INDEX_TOPK``,
-  learned sinks, hyper-connections, a layer reusing the first's top-k; Ulysses only) with interleaved mrope positions
+  learned sinks, hyper-connections, a layer reusing the first's top-k; a ring too) with interleaved mrope positions
   (its own ``get_rope_index``); its tower takes dots3-note's ``[patches, 12]`` pixel rows (one frame per grid row,
   videos through the same path) and merges each frame 2 x 2 with a newline feature ending every merged row:
   ``t * h/2 * (w/2 + 1)`` placeholders.
@@ -50,13 +50,9 @@ FAMILIES = {
 }
 # Pixtral's image layout (the harness's ``PIXTRAL``: 4h x 4w pixels, h rows of w placeholders, [IMG_BREAK] rows)
 PIXTRAL_FAMILIES = {"mistral_large4": "MistralLarge4ForConditionalGeneration"}  # DSA (positional), MoE
-ULYSSES_ONLY = {"dots3_note": "DeepSeek sparse attention runs under Ulysses SP only (a ring is refused)"}
-ULYSSES_ONLY["mistral_large4"] = ULYSSES_ONLY["dots3_note"]
-ULYSSES_ONLY["minimax_m3_vl"] = "MiniMax-M3's block-sparse attention runs under Ulysses SP only (a ring is refused)"
+ULYSSES_ONLY: dict[str, str] = {}  # none: every selecting decoder here takes a ring (DSA's all-gather path)
 FAMILIES["hy_v4_vl"] = "HYV4VLForConditionalGeneration"  # HY-V4's DSA with sinks and hyper-connections, mrope
-ULYSSES_ONLY["hy_v4_vl"] = ULYSSES_ONLY["dots3_note"]
 FAMILIES["glm5_next"] = "Glm5NextForConditionalGeneration"  # pooled DSA (NoPE) + KDA, hyper-connections, MoE
-ULYSSES_ONLY["glm5_next"] = ULYSSES_ONLY["dots3_note"]
 IMAGES_ONLY = {"glm5_next": "its video frames are image tokens inside video spans a shard need not hold"}
 BLOCK = dict(index_block_size=4, index_topk_blocks=2, index_local_blocks=1)  # MiniMax-M3: top-2 blocks of 4 keys
 

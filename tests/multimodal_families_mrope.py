@@ -11,8 +11,8 @@ document, in the collator (``[4, b, s]``: a text row, then t / h / w).
   collator packs like ``input_ids``; a dense first layer, plain attention (Ulysses and ring).
 - Qwen4-Exp (``Qwen4ExpForConditionalGeneration``): Qwen3.5-MoE's tower and processor (each video frame its own
   timestamped run, as Qwen3-VL), a ``qwen4_exp_text`` decoder (``tests/family_harness.py``'s tiny config): Gated
-  DeltaNet layers, query-sparse attention (top-2 blocks of 4 tokens, under the documents' lengths; Ulysses only, a
-  ring is refused), hyper-connections, PLE layers with hashed n-grams of each document's earlier ids.
+  DeltaNet layers, query-sparse attention (top-2 blocks of 4 tokens, under the documents' lengths; Ulysses and
+  ring), hyper-connections, PLE layers with hashed n-grams of each document's earlier ids.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ FAMILIES = {
 }
 FRAMES_APART = ("qwen4_exp",)  # Qwen3-VL's processor: each video frame its own run (the harness's generic layout)
 OWN_LAYOUT = ("ernie4_5_vl_moe",)  # laid out by ``mrope_medium``
-ULYSSES_ONLY = {"qwen4_exp": "Qwen4-Exp's query-sparse attention runs under Ulysses SP only (a ring is refused)"}
+ULYSSES_ONLY: dict[str, str] = {}  # none: Qwen4-Exp's query-sparse attention takes a ring (DSA's all-gather path)
 
 
 def ernie4_5_vl_moe_config():

@@ -1,6 +1,6 @@
 """MiniMax-M3's block-sparse attention under SP (``hf_sp_trainer/attention/block_sparse.py``), in process: the tiled
 block top-k against one tile, the attention against a dense masked softmax, the behaviour check with its negative
-controls, the crossed settings acting, and a ring refused. Exactness on 2 and 4 ranks: the family suite
+controls, the crossed settings acting, and a ring accepted. Exactness on 2 and 4 ranks: the family suite
 (``tests/test_model_families.py``, ``minimax_m3_vl_text`` with ``index_topk_blocks`` 2 of blocks of 4 crossed) and
 ``tests/test_equivalence_attention.py``."""
 
@@ -124,8 +124,9 @@ def test_the_block_selection_matters_in_the_tiny_model() -> None:
     assert abs(loss(model) / sparse - 1) > 10 * EXACT
 
 
-def test_a_ring_is_refused_before_any_collective() -> None:
+def test_a_ring_is_accepted() -> None:
+    """With a ring its selections run over the zigzag shards and its K/V are gathered (``dsa.ring_gather``): exact in
+    the family suite's ring sample, the VLM matrix and test_equivalence_attention.py."""
     model = build_model("minimax_m3_vl_text", "MiniMaxM3VLForCausalLM")
     assert validate_model_for_sp(model, 2) == (2, 1)
-    with pytest.raises(ValueError, match="MiniMaxM3VLAttention.*Ulysses SP only.*sp_ring_size=1"):
-        validate_model_for_sp(model, 4, ring_size=2)
+    assert validate_model_for_sp(model, 4, ring_size=2) == (2, 2)

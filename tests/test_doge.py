@@ -1,6 +1,7 @@
 """Doge's dynamic-mask attention under SP (``hf_sp_trainer/attention/doge.py``), in process: the behaviour check of
 the swapped forward with negative controls, its gradients (``A`` and ``dt_proj`` included) in query tiles, what SP
-accepts and refuses of Doge (a ring; its product-key MoE; an unknown attention building its own mask)."""
+accepts (a ring: a ring portion of its queries) and refuses of Doge (its product-key MoE; an unknown attention
+building its own mask; attention dropout, on every rank)."""
 
 from __future__ import annotations
 
@@ -99,11 +100,73 @@ class OtherDynamicAttention(ATTENTION):
     """An attention building its own mask that SP doesn't know (Doge's, renamed)."""
 
 
-def test_sp_accepts_ulysses_and_refuses_a_ring():
+def _dropout_refusals() -> list[str]:
+    """What an SP forward in training of Doge and DeepSeek-V4 with ``attention_dropout=0.1`` raises on this rank."""
+    import torch.distributed as dist
+
+    from hf_sp_trainer import apply_sequence_parallel
+    from tests.harness import tiny_model
+
+    dist.init_process_group("gloo")
+    ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "position_ids": torch.arange(40)[None]}
+    raised = []
+    for family, attn in (("doge", "sdpa"), ("deepseek_v4", "eager")):
+        model = tiny_model(family, attn=attn, attention_dropout=0.1).train()
+        with apply_sequence_parallel(model, 2) as sp:
+            try:
+                model(**sp.shard_batch(batch))
+                raised.append("no error")
+            except ValueError as exc:
+                raised.append(str(exc))
+    dist.barrier()
+    return raised
+
+
+@pytest.mark.dist
+def test_attention_dropout_is_refused_on_every_rank():
+    """Doge's and DeepSeek-V4's SP attention recompute their tiles in the backward and have no dropout: training with
+    ``attention_dropout`` raises on every rank alike (nothing hangs), naming the class and the fix."""
+    from tests.harness import run_distributed, unwrap_results
+
+    for raised in unwrap_results(run_distributed(2, _dropout_refusals, timeout=300)):
+        for name, message in zip(("DogeAttention", "DeepseekV4Attention"), raised, strict=True):
+            assert message == f"{name} under sequence parallelism has no attention dropout: set attention_dropout=0."
+
+
+def test_sp_accepts_ulysses_and_a_ring():
     model = build_model("doge", "DogeForCausalLM")
     assert validate_model_for_sp(model, 2) == (2, 1)
-    with pytest.raises(ValueError, match="DogeAttention.*Ulysses SP only.*sp_ring_size=1"):
-        validate_model_for_sp(model, 4, ring_size=2)
+    assert validate_model_for_sp(model, 4, ring_size=2) == (2, 2)
+
+
+def test_a_ring_portion_of_the_queries_gets_those_rows_of_the_whole():
+    """With a ring a rank attends its zigzag portion of the queries, at their whole-sequence positions, to the whole
+    sequence's K, V and ``dt`` (``dsa.ring_gather``): those rows of the whole output, the whole q gradient's rows,
+    and k / v / dt gradients that sum over the portions to the whole one's (top-3 and a window of 5 binding)."""
+    from hf_sp_trainer.sharding import SequenceSharding
+
+    gen = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(1, 4, 16, 8, generator=gen), *(torch.randn(1, 2, 16, 8, generator=gen) for _ in range(2))]
+    leaves.append(torch.rand(1, 2, 16, generator=gen) * 3)  # dt
+    bounds, probe = torch.tensor([0, 7, 16]), torch.randn(1, 16, 4, 8, generator=gen)
+
+    def run(queries):
+        q, k, v, dt = (t.clone().requires_grad_() for t in leaves)
+        rows = slice(None) if queries is None else queries
+        out = doge.dynamic_mask_attention(q[:, :, rows], k, v, dt, bounds, 0.3, 3, 5, queries)
+        (out * probe[:, rows]).sum().backward()
+        return out.detach(), q.grad, k.grad, v.grad, dt.grad
+
+    whole = run(None)
+    assert whole[4].abs().max() > 0
+    portions = [SequenceSharding(2, 2).positions(16, rank) for rank in range(2)]
+    parts = [run(rows) for rows in portions]
+    for rows, (out, dq, *_) in zip(portions, parts, strict=True):
+        assert torch.allclose(out, whole[0][:, rows], atol=1e-6)
+        assert torch.allclose(dq[:, :, rows], whole[1][:, :, rows], atol=1e-6)
+    for i in (2, 3, 4):
+        assert torch.allclose(parts[0][i] + parts[1][i], whole[i], atol=1e-6)
 
 
 def test_product_key_moe_and_unknown_dynamic_masks_are_refused():
@@ -146,3 +209,44 @@ def test_outside_sp_the_swapped_forward_is_transformers():
     embeddings, mask = rotary(hidden, torch.arange(13)[None]), document_mask(13, 7)
     with torch.no_grad():
         assert torch.equal(entry(attn, hidden, embeddings, mask)[0], forward(attn, hidden, embeddings, mask)[0])
+
+
+def _packed_and_padded(model, documents: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One device's logits of ``documents`` as one position_ids-packed row and as right-padded rows, one each."""
+    from transformers import DataCollatorWithFlattening
+
+    batch = DataCollatorWithFlattening(return_position_ids=True)([{"input_ids": d} for d in documents])
+    longest = max(map(len, documents))
+    rows = torch.tensor([d + [0] * (longest - len(d)) for d in documents])
+    mask = torch.tensor([[1] * len(d) + [0] * (longest - len(d)) for d in documents])
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits[0]
+        padded = model(input_ids=rows, attention_mask=mask).logits
+    return packed, torch.cat([padded[i, : len(d)] for i, d in enumerate(documents)])
+
+
+def test_trainer_cases_tiny_doge_acts_and_ties_only_on_repeated_tokens():
+    """The Trainer-level cases' tiny Doge (tests/harness.py: top-6, window 12, ``A`` and ``dt_proj`` drawn): its top-k
+    and its window each change the loss. Its first layer's bias is a function of the token alone, so a token repeated
+    inside a window ties exactly, and torch.topk breaks the tie by the row's layout: on one device already the
+    packed and the padded rows of the same documents differ; with no token twice they agree to round-off (what
+    ``distinct_tokens`` gives the cases)."""
+    from tests.harness import synthetic_dataset, tiny_model
+
+    ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+
+    def loss(**overrides) -> float:
+        with torch.no_grad():
+            return tiny_model("doge", **overrides)(input_ids=ids, labels=ids).loss.item()
+
+    base = loss()
+    assert abs(loss(keep_window_size=10**6) / base - 1) > 10 * EXACT
+    assert abs(loss(sliding_window=None) / base - 1) > 10 * EXACT
+    model = tiny_model("doge")
+    repeated = [row["input_ids"] for row in synthetic_dataset(3, seed=0)]
+    distinct = [row["input_ids"] for row in synthetic_dataset(3, seed=0, distinct=True)]
+    assert any(len(set(d)) < len(d) for d in repeated) and all(len(set(d)) == len(d) for d in distinct)
+    packed, padded = _packed_and_padded(model, repeated)
+    assert float((packed - padded).abs().max()) > 1e-2  # a tie broken two ways by one device
+    packed, padded = _packed_and_padded(model, distinct)
+    assert float((packed - padded).abs().max()) < 1e-5

@@ -1,6 +1,7 @@
 """DeepSeek sparse attention under SP (``hf_sp_trainer/attention/dsa.py``), in process: the tiled indexer, the
-selected-keys attention, the behaviour checks of the swapped classes (with negative controls) and the refusal of a
-ring. Over gloo ranks: the family suite (every DSA family, top-k crossed) and ``test_equivalence_attention.py``."""
+selected-keys attention (a ring rank's portion of it too), the behaviour checks of the swapped classes (with
+negative controls). Over gloo ranks: the family suite (every DSA family, top-k crossed; a ring sample) and
+``test_equivalence_attention.py``."""
 
 from __future__ import annotations
 
@@ -159,11 +160,45 @@ def test_the_top_k_matters_in_the_tiny_models():
     assert [layer.self_attn.indexer is None for layer in tiny_model("glm_moe_dsa").model.layers] == [False, True]
 
 
-def test_a_ring_is_refused_before_any_collective():
+def test_a_ring_is_accepted():
+    """DSA with a ring takes the all-gather path (``ring_gather``; exact in the family suite's ring sample, the VLM
+    matrix and test_equivalence_attention.py); the other selecting attentions refuse one (their own tests)."""
     model = tiny_model("deepseek_v32")
     assert validate_model_for_sp(model, 4) == (4, 1)
-    with pytest.raises(ValueError, match="DeepseekV32Attention.*Ulysses SP only.*sp_ring_size=1"):
-        validate_model_for_sp(model, 4, ring_size=2)
+    assert validate_model_for_sp(model, 4, ring_size=2) == (2, 2)
+    assert validate_model_for_sp(model, 4, ring_size=4) == (1, 4)
+
+
+@pytest.mark.parametrize("sinks", [None, torch.tensor([0.5, 2.0])], ids=["plain", "sinks"])
+def test_selected_attention_of_a_ring_portion_is_those_rows_of_the_whole(sinks, monkeypatch):
+    """A ring rank's zigzag portion of the queries (at their whole-sequence positions, against the whole sequence's
+    K/V, as ``ring_gather`` gathers them) gets those rows of the whole output and its share of the gradients: the
+    portions' q gradients are the whole one's rows, their k / v gradients sum to the whole one's; in tiles of 3."""
+    from hf_sp_trainer.sharding import SequenceSharding
+
+    gen = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(2, 2, 16, 8, generator=gen) for _ in range(3)]
+    indices = torch.randint(0, 16, (2, 16, 4), generator=gen)
+    indices[..., 0] = torch.arange(16)
+    bounds, probe = torch.tensor([0, 5, 16, 23, 32]), torch.randn(2, 16, 2, 8, generator=gen)
+    monkeypatch.setattr(dsa, "SCORE_BYTES", 4 * 2 * 2 * 16 * 3)
+
+    def run(queries):
+        q, k, v = (t.clone().requires_grad_() for t in leaves)
+        rows = slice(None) if queries is None else queries
+        out = selected_attention(q[:, :, rows], k, v, indices, bounds, 0.3, sinks=sinks, queries=queries)
+        (out * probe[:, rows]).sum().backward()
+        return out.detach(), q.grad, k.grad, v.grad
+
+    whole = run(None)
+    parts = [run(SequenceSharding(2, 2).positions(16, rank)) for rank in range(2)]
+    assert SequenceSharding(2, 2).positions(16, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]  # zigzag: chunks 0, 3
+    for rank, (out, dq, _, _) in enumerate(parts):
+        rows = SequenceSharding(2, 2).positions(16, rank)
+        assert torch.allclose(out, whole[0][:, rows], atol=1e-6)
+        assert torch.allclose(dq[:, :, rows], whole[1][:, :, rows], atol=1e-6)
+    for i in (2, 3):
+        assert torch.allclose(parts[0][i] + parts[1][i], whole[i], atol=1e-6)
 
 
 # -- Mistral-Large-4: an indexer of the hidden states, its queries scaled by their document positions ---------------
@@ -207,15 +242,14 @@ def test_mistral_large4_checks_pass_and_catch_what_they_guard(monkeypatch):
     assert not positional_attention_ok.__wrapped__(attention, eager_only)
 
 
-def test_mistral_large4_ring_refused_and_its_top_k_acts():
-    """The matrix's Mistral-Large-4 (tests/multimodal_families_extra.py) runs Ulysses only, and its decoder's top-5
-    changes its loss: every key selected instead moves it far beyond the tolerance."""
+def test_mistral_large4_takes_a_ring_and_its_top_k_acts():
+    """The matrix's Mistral-Large-4 (tests/multimodal_families_extra.py) runs Ulysses and with a ring, and its
+    decoder's top-5 changes its loss: every key selected instead moves it far beyond the tolerance."""
     from tests.multimodal_harness import build_vlm
 
     model = build_vlm("mistral_large4")
     assert validate_model_for_sp(model, 4) == (4, 1)
-    with pytest.raises(ValueError, match="MistralLarge4TextAttention.*Ulysses SP only.*sp_ring_size=1"):
-        validate_model_for_sp(model, 4, ring_size=2)
+    assert validate_model_for_sp(model, 4, ring_size=2) == (2, 2)
     ids = torch.randint(3, 100, (1, 30), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         sparse = model(input_ids=ids, labels=ids).loss.item()

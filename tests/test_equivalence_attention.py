@@ -32,6 +32,13 @@ WORLD2 = [
     Case("deepseek_v32_dsa_grad_ckpt", family="deepseek_v32", sp_overrides=dict(gradient_checkpointing=True), **SGD),
     # HY-V4: DSA with learned sinks and hyper-connections, its second layer reusing the first's top-k (eager only)
     Case("hy_v4_dsa_sinks_sgd_ga2", family="hy_v4", attn="eager", grad_accum=2, **SGD),
+    # Doge: each query's top-6 keys of its document by a learned bias (A and dt_proj train), a window of 12. Its
+    # first layer's bias is a function of the token alone: a token repeated in a window ties exactly, and torch.topk
+    # breaks the tie by the row's layout (one device's packed and padded rows differ too), so no token twice
+    Case("doge_dynamic_mask_sgd_ga2", family="doge", grad_accum=2, distinct_tokens=True, **SGD),
+    Case("ring2_doge_dynamic_mask", family="doge", distinct_tokens=True, sp_overrides=RING2, **SGD),
+    # DSA with a ring (sp 2 = ring 2): the all-gather path, the ring group's K/V gathered (attention/dsa.ring_gather)
+    Case("ring2_deepseek_v32_dsa_ga2", family="deepseek_v32", grad_accum=2, sp_overrides=RING2, **SGD),
     # DeepSpeed hands the optimizer zero gradients for the parameters that get none (DSA's indexer: no_grad in
     # transformers), so weight decay shrinks them; torch's optimizer skips them. Without weight decay both agree.
     Case(
@@ -57,8 +64,20 @@ WORLD4 = [
     Case("sp4_deepseek_v3_mla", family="deepseek_v3", sp_size=4, world_size=4),
     Case("sp4_deepseek_v32_dsa", family="deepseek_v32", sp_size=4, world_size=4, **SGD),
     Case("sp4_hy_v4_dsa_sinks", family="hy_v4", attn="eager", sp_size=4, world_size=4, **SGD),  # one head per rank
+    Case("sp4_doge_dynamic_mask", family="doge", sp_size=4, world_size=4, distinct_tokens=True, **SGD),  # 2 kv heads
+    Case("hybrid2x2_doge", family="doge", sp_size=4, world_size=4, distinct_tokens=True, sp_overrides=RING2, **SGD),
+    Case("hybrid2x2_hy_v4_dsa_sinks", family="hy_v4", attn="eager", sp_size=4, world_size=4, sp_overrides=RING2, **SGD),
     Case("dp2sp2_glm_moe_dsa", family="glm_moe_dsa", sp_size=2, world_size=4, grad_accum=2, **SGD),
     Case("sp4_minimax_m3_block_sparse", family="minimax_m3", sp_size=4, world_size=4, **SGD),  # 2 kv heads, 4 ranks
+    Case(  # Ulysses 2 x ring 2: the selections over the zigzag shards, the ring group's K/V gathered
+        "hybrid2x2_minimax_m3_router_loss",
+        family="minimax_m3",
+        sp_size=4,
+        world_size=4,
+        sp_overrides=RING2,
+        model_overrides=ROUTER_LOSS,
+        **SGD,
+    ),  # fmt: skip
     Case("sp4_deepseek_v4", family="deepseek_v4", attn="eager", sp_size=4, world_size=4, **SGD),
     Case("dp2sp2_deepseek_v4", family="deepseek_v4", attn="eager", sp_size=2, world_size=4, grad_accum=2, **SGD),
 ]

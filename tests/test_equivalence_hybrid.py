@@ -61,6 +61,7 @@ WORLD4 = [
     Case("sp4_jamba_mamba1", family="jamba", sp_size=4, world_size=4, **SGD),
     Case("sp4_recurrent_gemma_rg_lru", family="recurrent_gemma", sp_size=4, world_size=4, **SGD),
     Case("sp4_qwen4_exp_qsa", family="qwen4_exp", sp_size=4, world_size=4, **SGD),
+    Case("hybrid2x2_qwen4_exp_qsa", family="qwen4_exp", sp_size=4, world_size=4, sp_overrides=RING2, **SGD),
     # the router loss off: a whole-batch product of averages, it differs per DP group with or without SP
     Case("dp2sp2_jamba_mamba1", family="jamba", sp_size=2, world_size=4, grad_accum=2, model_overrides=NO_AUX, **SGD),
     Case("relay_hybrid2x2_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, sp_overrides=RING2 | RELAY, **SGD),

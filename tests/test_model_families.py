@@ -25,6 +25,7 @@ REGENERATE = "python scripts/gen_models_md.py"
 RING_SAMPLE = ("llama", "qwen3", "gemma3_text", "gemma4_text", "mistral", "phi3", "olmo2", "qwen3_moe", "doge")
 RING_SAMPLE += ("qwen3_5_text", "lfm2", "granitemoehybrid", "zamba2", "minimax")  # hybrids: two zigzag runs per rank
 RING_SAMPLE += ("jamba", "mamba", "recurrent_gemma")  # Mamba1 with attention and without; RG-LRU
+RING_SAMPLE += ("deepseek_v32", "glm_moe_dsa", "hy_v4", "qwen4_exp_text", "minimax_m3_vl_text")  # all-gather path
 STATUSES = ("exact", "refused", "out of scope", "can't build", "wrong", "crash")
 ACTS = 1e-4  # a crossed setting must change the reference by more than this, or it proved nothing
 # Crossed settings that a family's config has but its modeling code ignores (checked: they change nothing)

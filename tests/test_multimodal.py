@@ -116,33 +116,33 @@ SP2 = [
     Case("glm_ocr", "one_video", ring=2, split=True),
     Case("gemma4", "one_video", split=True),
     # tests/multimodal_families_extra.py: Kimi-K2.5 (a DeepSeek-V3 decoder; videos pooled per chunk of frames) and
-    # dots3-note (DSA, top-5 keys per query, and a sliding window of 7: Ulysses only, a ring is refused for DSA)
+    # dots3-note (DSA, top-5 keys per query, and a sliding window of 7; Ulysses, and a ring: the all-gather path)
     Case("kimi_k25", "mixed"),
     Case("kimi_k25", "padded", ring=2),
     Case("dots3_note", "mixed"),
-    Case("dots3_note", "padded"),
+    Case("dots3_note", "padded", ring=2),  # DSA with a ring: the ring group's K/V gathered
     # Mistral-Large-4: Pixtral's images, DSA with top-5 keys per query on RoPE / NoPE / shared-top-k / kv-sharing
-    # layers, its queries scaled by their document positions (Ulysses only)
+    # layers, its queries scaled by their document positions (Ulysses, and a ring)
     Case("mistral_large4", "mixed"),
-    Case("mistral_large4", "padded"),
-    # MiniMax-M3-VL: block-sparse selection (top-2 blocks of 4 keys per KV group plus the local one; Ulysses only)
+    Case("mistral_large4", "padded", ring=2),  # DSA with a ring: the ring group's K/V gathered
+    # MiniMax-M3-VL: block-sparse selection (top-2 blocks of 4 keys per KV group plus the local one; and a ring)
     Case("minimax_m3_vl", "mixed"),
-    Case("minimax_m3_vl", "padded"),
-    # HY-V4-VL: mrope; HY-V4's DSA (top-5 keys, a layer reusing another's), sinks, hyper-connections (Ulysses only).
+    Case("minimax_m3_vl", "padded", ring=2),
+    # HY-V4-VL: mrope; HY-V4's DSA (top-5 keys, a layer reusing another's), sinks, hyper-connections (and a ring).
     # Its fp32 gap (up to 8e-6, a hyper-connection gradient summed with cancellation) is 1e-14 in float64
     Case("hy_v4_vl", "mixed"),
-    Case("hy_v4_vl", "padded"),
+    Case("hy_v4_vl", "padded", ring=2),  # DSA with a ring: the ring group's K/V gathered
     Case("hy_v4_vl", "many", split=True),  # split media: each frame's merged rows end with a newline feature row
     # tests/multimodal_families_mrope.py: ERNIE-4.5-VL (experts per modality by moe_mm_token_type_ids; videos' frames
     # merged in pairs; "images": an image across the sp-2 boundary) and Qwen4-Exp (Gated DeltaNet, top-2 blocks of 4
-    # by its QSA indexer on mrope positions, PLE n-grams; Ulysses only)
+    # by its QSA indexer on mrope positions, PLE n-grams; Ulysses and ring)
     Case("ernie4_5_vl_moe", "mixed"),
     Case("ernie4_5_vl_moe", "padded"),
     Case("ernie4_5_vl_moe", "images", ring=2),
     Case("ernie4_5_vl_moe", "padded", ring=2),
     Case("ernie4_5_vl_moe", "many", split=True),  # a video's feature rows: its frames merged in pairs
     Case("qwen4_exp", "mixed"),
-    Case("qwen4_exp", "padded"),
+    Case("qwen4_exp", "padded", ring=2),
     Case("qwen4_exp", "one_video", split=True),  # its video split over the ranks by frame (FRAME_BASES)
     # GLM-5-Next: pooled DSA (the best 2 pools of 4 keys from each document's start, the query's own pool's tail; a
     # layer reusing the first's selection) with KDA layers, NoPE; images only (its videos are refused under SP)
@@ -203,21 +203,21 @@ SP4 = [
     Case("kimi_k25", "padded"),
     Case("kimi_k25", "mixed", ring=2),
     Case("dots3_note", "mixed"),
-    Case("dots3_note", "padded"),
+    Case("dots3_note", "padded", ring=2),  # DSA with a ring: the ring group's K/V gathered
     Case("mistral_large4", "mixed"),
-    Case("mistral_large4", "padded"),
+    Case("mistral_large4", "padded", ring=2),  # DSA with a ring: the ring group's K/V gathered
     Case("minimax_m3_vl", "mixed"),
-    Case("minimax_m3_vl", "padded"),
+    Case("minimax_m3_vl", "padded", ring=2),
     Case("hy_v4_vl", "mixed"),
-    Case("hy_v4_vl", "padded"),
+    Case("hy_v4_vl", "padded", ring=2),  # DSA with a ring: the ring group's K/V gathered
     Case("ernie4_5_vl_moe", "mixed"),
     Case("ernie4_5_vl_moe", "padded", ring=2),
     Case("ernie4_5_vl_moe", "images", ring=4),
     Case("qwen4_exp", "mixed"),
-    Case("qwen4_exp", "padded"),
+    Case("qwen4_exp", "padded", ring=2),
     # GLM-5-Next: pooled DSA (the best 2 pools of 4 keys from each document's start, the query's own pool's tail; a
     # layer reusing the first's selection) with KDA layers, NoPE; images only (its videos are refused under SP)
-    Case("glm5_next", "images"),
+    Case("glm5_next", "images", ring=2),  # Ulysses 2 x ring 2: the pooled selection over zigzag shards
 ]
 
 
@@ -309,7 +309,7 @@ TRAINER_CASES = {
     "qwen3_5_moe_router_loss_sp2_ga2": ("qwen3_5_moe", 2, 2, None, False, False, True),  # hybrid + MoE
     # chunks of 8, the NoPE temperature, a MoE layer; its forward's tuple path (tests/multimodal_llama4.py)
     "llama4_sp2_ring2_ga2": ("llama4", 2, 2, 2, False, False, False),
-    # selecting attentions (Ulysses only): Mistral-Large-4's DSA (top-5 keys; RoPE, NoPE, shared-top-k and
+    # selecting attentions: Mistral-Large-4's DSA (top-5 keys; RoPE, NoPE, shared-top-k and
     # kv-sharing layers; its router has no load-balancing loss), MiniMax-M3-VL's blocks (top-2 of 4 keys plus the
     # local one) with its MoE router loss
     "mistral_large4_sp2_ga2": ("mistral_large4", 2, 2, None, False, False, False),
@@ -317,6 +317,7 @@ TRAINER_CASES = {
     # experts per modality (moe_mm_token_type_ids packed and sharded), its router loss, a ring; pooled DSA + KDA
     "ernie4_5_vl_moe_router_loss_sp2_ring2_ga2": ("ernie4_5_vl_moe", 2, 2, 2, False, False, True),
     "glm5_next_sp2_ga2": ("glm5_next", 2, 2, None, False, False, False),
+    "glm5_next_sp2_ring2_ga2": ("glm5_next", 2, 2, 2, False, False, False),  # the pooled selection with a ring
     "hy_v4_vl_sp2_ga2": ("hy_v4_vl", 2, 2, None, False, False, False),
 }
 

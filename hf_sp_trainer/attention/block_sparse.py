@@ -15,7 +15,8 @@ own keys and anchors the blocks at row slots. Under SP (``mixers.swap``, behavio
    (``dsa.selected_attention`` with ``block_keep``).
 
 Exact when the top-k picks the same blocks as one device: the block scores are maxima of the same fp32 products,
-so only blocks tied at the k-th place can differ. A ring (``ring_size > 1``) is refused, as for DSA.
+so only blocks tied at the k-th place can differ. With a ring, as for DSA: the selections over the zigzag shards,
+gathered in sequence order, and the ring group's K/V gathered (``dsa.ring_gather``).
 """
 
 from __future__ import annotations
@@ -26,8 +27,16 @@ import sys
 import torch
 import torch.distributed as dist
 
-from ..comm import all_gather_along
-from .dsa import SCORE_BYTES, document_causal, document_ids, selected_attention
+from ..sharding.sequence import SequenceSharding
+from .dsa import (
+    SCORE_BYTES,
+    document_causal,
+    document_ids,
+    gather_sequence,
+    gather_tokens,
+    local_positions,
+    selected_attention,
+)
 
 BLOCKS_KWARG = "block_indices"  # how transformers' MiniMax-M3 attention hands its block selection to a kernel
 
@@ -75,14 +84,15 @@ def sp_block_topk(
     bounds: torch.Tensor,
     group: dist.ProcessGroup | None,
     rank: int,
+    sharding: SequenceSharding | None = None,
 ) -> torch.Tensor:
-    """``[b, G, seq, k]`` int32: for every query of the whole sequence and KV group, the document block ids of its
-    top-k blocks (``-1``: unused slots), as transformers' indexer selects them on the query's document alone.
-    ``projected``: this rank's (the ``rank``-th contiguous slice's) ``m3_projection``; keys and selections are
-    gathered over ``group``."""
+    """``[b, G, seq, k]`` int32: for every query of the whole sequence (in sequence order) and KV group, the document
+    block ids of its top-k blocks (``-1``: unused slots), as transformers' indexer selects them on the query's
+    document alone. ``projected``: SP rank ``rank``'s ``m3_projection``, its shard of the ``sharding`` (a ring's
+    zigzag one; ``None``: contiguous shards); keys and selections are gathered over ``group``."""
     q, keys = projected
     b, heads, s, _ = q.shape
-    keys = (keys.contiguous() if group is None else all_gather_along(keys.contiguous(), dim=1, group=group)).float()
+    keys = gather_sequence(keys.contiguous(), group, sharding).float()
     seq = keys.shape[1]
     size = indexer.block_size
     docs, positions = document_positions(bounds, b, seq, q.device)
@@ -91,10 +101,11 @@ def sp_block_topk(
     topk = min(indexer.topk_blocks, n_blocks)
     local = torch.arange(indexer.local_blocks, device=q.device)
     tile = max(1, SCORE_BYTES // (4 * heads * seq * b))
+    mine = local_positions(s, rank, sharding, q.device)
     picks = []
     for start in range(0, s, tile):
         rows = slice(start, min(s, start + tile))
-        queries = torch.arange(rows.start, rows.stop, device=q.device) + rank * s
+        queries = mine[rows]
         scores = torch.matmul(q[:, :, rows], keys.transpose(-1, -2).unsqueeze(1))  # [b, G, tile, seq]
         scores = scores.masked_fill(~document_causal(docs, queries)[:, None], float("-inf"))
         pooled = scores.new_full((*scores.shape[:3], n_blocks), float("-inf"))
@@ -104,8 +115,8 @@ def sp_block_topk(
             pooled.scatter_(-1, own[:, None].expand(-1, heads, -1, -1), float("inf"))
         best, chosen = pooled.topk(topk, dim=-1)
         picks.append(chosen.masked_fill(best == float("-inf"), -1).to(torch.int32))
-    picked = torch.cat(picks, dim=2).contiguous()
-    return picked if group is None else all_gather_along(picked, dim=2, group=group)
+    picked = gather_tokens(torch.cat(picks, dim=2).transpose(1, 2).contiguous(), group)  # [b, seq, G, k]
+    return (picked if sharding is None else sharding.unshard(picked)).transpose(1, 2)
 
 
 def block_keep(selection: torch.Tensor, key_blocks: torch.Tensor, n_blocks: int) -> torch.Tensor:
@@ -119,17 +130,18 @@ def block_keep(selection: torch.Tensor, key_blocks: torch.Tensor, n_blocks: int)
 
 def block_selected_attention(
     q, k, v, selection, block_size: int, query_heads: int, first: int, bounds: torch.Tensor, scale: float,
-    dropout: float = 0.0,
+    dropout: float = 0.0, queries: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """``[b, s, h, dv]``: this rank's query heads ``first, ..., first + h - 1`` of ``query_heads`` (``q``: ``[b, h, s,
-    d]``, the whole sequence) over the blocks (of ``block_size`` keys) of their KV groups' ``selection``
-    (``sp_block_topk``'s), within their documents, causally (``dsa.selected_attention``)."""
-    _, positions = document_positions(bounds, q.shape[0], q.shape[2], q.device)
+    """``[b, n, h, dv]``: this rank's query heads ``first, ..., first + h - 1`` of ``query_heads`` (``q``: ``[b, h, n,
+    d]``, the whole sequence or the queries at the whole-sequence positions ``queries``; ``k``, ``v`` the whole
+    sequence) over the blocks (of ``block_size`` keys) of their KV groups' ``selection`` (``sp_block_topk``'s), within
+    their documents, causally (``dsa.selected_attention``)."""
+    _, positions = document_positions(bounds, k.shape[0], k.shape[2], k.device)
     key_blocks = positions // block_size
     n_blocks = int(key_blocks.max()) + 1
     mine = head_selection(selection, query_heads, first, q.shape[1])
     keep = functools.partial(block_keep, key_blocks=key_blocks, n_blocks=n_blocks)
-    return selected_attention(q, k, v, mine, bounds, scale, dropout, keep=keep)
+    return selected_attention(q, k, v, mine, bounds, scale, dropout, keep=keep, queries=queries)
 
 
 def head_selection(selection: torch.Tensor, query_heads: int, first: int, count: int) -> torch.Tensor:

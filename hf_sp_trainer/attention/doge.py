@@ -12,7 +12,9 @@ forward``: its projections, norms, RoPE and ``dt`` on this rank's tokens as inst
 Ulysses group gives this rank's heads (kv heads replicated as ``UlyssesAttention`` does) and their ``dt`` over the
 whole sequence; in query tiles of bounded memory, recomputed in the backward, each query takes the top
 ``keep_window_size`` of its *document's* visible keys by ``dt`` and attends them with the bias (``dt`` keeps its
-gradient: ``A`` and ``dt_proj`` train); the output goes back by the inverse all-to-all. A ring is refused (validate).
+gradient: ``A`` and ``dt_proj`` train); the output goes back by the inverse all-to-all. With a ring, DSA's all-gather
+path (``dsa.ring_gather``): the ring group's K, V and ``dt`` gathered in sequence order, this rank's zigzag portion
+of the queries attending to them at their whole-sequence positions.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..comm import all_to_all, all_to_all_many
 from ..model.mixers import mask_only_window
-from .dsa import SCORE_BYTES, document_causal, document_ids
+from .dsa import SCORE_BYTES, document_causal, document_ids, ring_gather
 from .ring import autocast_like_sdpa
 from .ulysses import kv_replication
 
@@ -47,11 +49,11 @@ def doge_projection(attn: torch.nn.Module, hidden_states: torch.Tensor, position
 
 
 def doge_attention_forward(
-    attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings, bounds: torch.Tensor, group
+    attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings, bounds: torch.Tensor, group, ring=None
 ) -> torch.Tensor:
-    """``DogeAttention.forward``'s output ``[b, s, hidden]`` for this rank's tokens (its contiguous shard of the
-    sequence over the Ulysses ``group``; ``None``: the whole sequence in one process), as one device computes each
-    document of ``bounds`` alone."""
+    """``DogeAttention.forward``'s output ``[b, s, hidden]`` for this rank's tokens (its shard of the sequence over
+    the Ulysses ``group``; ``None``: the whole sequence in one process), as one device computes each document of
+    ``bounds`` alone. ``ring``: ``(ring group, ring rank, zigzag order)`` with a ring, else ``None``."""
     b, s, _ = hidden_states.shape
     q, k, v, dt = doge_projection(attn, hidden_states, position_embeddings)
     world = 1 if group is None else dist.get_world_size(group)
@@ -62,27 +64,36 @@ def doge_attention_forward(
     if world > 1:  # [b, heads / U, seq, ...]: this rank's heads over the whole sequence
         q, k, v, dt = all_to_all_many((q, k, v, dt[..., None]), scatter_dim=1, gather_dim=2, group=group)
         dt = dt[..., 0]
+    queries = None
+    if ring is not None:  # this rank's heads over its ring portion: the ring group's K, V, dt gathered
+        (k, v, dt), queries = ring_gather((k, v, dt[..., None]), *ring)
+        dt = dt[..., 0]
     window = mask_only_window(attn, attn.config)  # the model's mask's (``create_sliding_window_causal_mask``)
-    out = dynamic_mask_attention(q, k, v, dt, bounds, attn.scaling, attn.keep_window_size, window)
+    out = dynamic_mask_attention(q, k, v, dt, bounds, attn.scaling, attn.keep_window_size, window, queries)
     if world > 1:
         out = all_to_all(out, scatter_dim=1, gather_dim=2, group=group)  # [b, s, h, d]
     return attn.o_proj(out.reshape(b, s, -1).contiguous())
 
 
-def dynamic_mask_attention(q, k, v, dt, bounds, scale: float, keep: int, window: int | None) -> torch.Tensor:
-    """``[b, seq, h, d]``: each query of ``q`` (``[b, h, seq, d]``, the whole sequence) over the ``keep`` keys of
-    largest ``dt`` (``[b, kv, seq]``) among its visible ones (its document's, causal, within ``window``), ``dt``
-    added to their logits; ``k``, ``v`` ``[b, kv, seq, d]`` (``h`` a multiple of ``kv``). Query tiles of at most
-    ``SCORE_BYTES`` of fp32 logits, each recomputed in the backward."""
-    b, h, seq, _ = q.shape
+def dynamic_mask_attention(
+    q, k, v, dt, bounds, scale: float, keep: int, window: int | None, queries: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[b, n, h, d]``: each query of ``q`` (``[b, h, n, d]``: the whole sequence, or those at the whole-sequence
+    positions ``queries``) over the ``keep`` keys of largest ``dt`` (``[b, kv, seq]``) among its visible ones (its
+    document's, causal, within ``window``), ``dt`` added to their logits; ``k``, ``v`` ``[b, kv, seq, d]`` (the whole
+    sequence; ``h`` a multiple of ``kv``). Query tiles of at most ``SCORE_BYTES`` of fp32 logits, each recomputed in
+    the backward."""
+    b, h, n, _ = q.shape
+    seq = k.shape[2]
+    queries = torch.arange(seq, device=q.device) if queries is None else queries
     docs = document_ids(bounds, b, seq, q.device)
     tile = max(1, SCORE_BYTES // (4 * b * h * seq))
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, dt))
     outs = []
-    for start in range(0, seq, tile):
-        rows = slice(start, min(seq, start + tile))
-        fn = functools.partial(_attend_tile, start=start, scale=scale, keep=keep, window=window)
-        args = (q[:, :, rows], k, v, dt, docs)
+    for start in range(0, n, tile):
+        rows = slice(start, min(n, start + tile))
+        fn = functools.partial(_attend_tile, scale=scale, keep=keep, window=window)
+        args = (q[:, :, rows], k, v, dt, docs, queries[rows])
         outs.append(checkpoint(fn, *args, use_reentrant=False) if grad else fn(*args))
     return torch.cat(outs, dim=2).transpose(1, 2)
 
@@ -110,11 +121,10 @@ def dynamic_bias(dt: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
     return dt[:, :, None, :].masked_fill(~selected, float("-inf"))
 
 
-def _attend_tile(q, k, v, dt, docs, start: int, scale: float, keep: int, window: int | None) -> torch.Tensor:
-    """``[b, h, t, d]``: the queries ``start, start + 1, ...`` over their selected keys, as eager attention (query
-    head ``i`` on kv head ``i // (h / kv)``, as ``repeat_kv``)."""
+def _attend_tile(q, k, v, dt, docs, queries, scale: float, keep: int, window: int | None) -> torch.Tensor:
+    """``[b, h, t, d]``: the queries at the whole-sequence positions ``queries`` over their selected keys, as eager
+    attention (query head ``i`` on kv head ``i // (h / kv)``, as ``repeat_kv``)."""
     b, h, t, d = q.shape
-    queries = torch.arange(start, start + t, device=q.device)
     bias = dynamic_bias(dt, dynamic_selection(dt.detach(), visible_keys(docs, queries, window), keep))
     q = q.view(b, k.shape[1], h // k.shape[1], t, d)  # query heads grouped by kv head: k, v, bias broadcast
     logits = torch.matmul(q, k[:, :, None].transpose(-1, -2)) * scale + bias[:, :, None]  # dt's dtype, as transformers

@@ -18,7 +18,13 @@ queries against this rank's keys only. Under SP (both swapped by ``mixers.swap``
 Exact when the top-k picks the same keys as one device: the scores are the same fp32 products, so only keys tied at
 the k-th place (to round-off, or exactly: a zero relu sum) can differ, as they can between two lengths on one
 device. ``selected_attention`` scores every key and masks the unselected ones: memory bounded by its tiles, compute
-dense (``O(s^2)``, not ``O(s k)``): exact, not yet the sparse kernel. A ring (``ring_size > 1``) is refused.
+dense (``O(s^2)``, not ``O(s k)``): exact, not yet the sparse kernel.
+
+With a ring (``ring_size > 1``: sp = ulysses x ring, the heads not divisible by sp) the Ulysses all-to-all leaves a
+rank its heads over its zigzag ring portion; the all-gather path (``ring_gather``) gathers the ring group's K/V in
+sequence order (one collective; their gradients reduce-scattered home), and ``selected_attention`` attends this
+rank's queries, at their whole-sequence positions, to them: the K/V of ``heads / ulysses`` heads of the whole
+sequence per rank (``ring`` times Ulysses' alone), the selections as without a ring.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..comm import all_gather_along
+from ..comm import all_gather_along, all_gather_stack
+from ..sharding.sequence import SequenceSharding
 
 INDICES_KWARG = "indices"  # how transformers' DSA attention hands its top-k to a non-eager kernel
 SCORE_BYTES = 1 << 28  # fp32 scores (queries x heads x keys) per query tile, in the indexer and the attention
@@ -55,6 +62,39 @@ def document_causal(docs: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
 def gather_tokens(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``[b, seq, ...]`` from every rank's ``[b, s, ...]`` (contiguous shards; no autograd), for the selections."""
     return x if group is None else all_gather_along(x, dim=1, group=group)
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None, sharding: SequenceSharding | None):
+    """``[b, seq, ...]`` in sequence order from every rank's ``[b, s, ...]`` shard (no autograd); ``sharding``:
+    the zigzag one of a ring, ``None`` for contiguous shards."""
+    gathered = gather_tokens(x, group)
+    return gathered if sharding is None else sharding.unshard(gathered)
+
+
+def local_positions(s: int, rank: int, sharding: SequenceSharding | None, device) -> torch.Tensor:
+    """The whole-sequence positions of the ``s`` tokens of SP rank ``rank`` (contiguous without ``sharding``)."""
+    if sharding is None:
+        return torch.arange(rank * s, (rank + 1) * s, device=device)
+    return sharding.positions(s * sharding.sp_size, rank).to(device)
+
+
+def ring_gather(
+    tensors: tuple[torch.Tensor, ...], group: dist.ProcessGroup, ring_rank: int, order: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The all-gather path of a ring: from this rank's ``tensors`` (``[b, h, n, d_i]``, ring rank ``ring_rank``'s
+    portion of the zigzag ``order``: K, V, a per-key bias) those of the whole sequence in sequence order, gathered in
+    one collective (one per dtype) with their gradients reduce-scattered back, and the whole-sequence positions of
+    this rank's ``n`` queries."""
+    n, order = tensors[0].shape[2], order.to(tensors[0].device)
+    inverse = torch.argsort(order)
+    by_dtype = [tensors] if len({t.dtype for t in tensors}) == 1 else [(t,) for t in tensors]
+    whole = []
+    for same in by_dtype:
+        stacked = all_gather_stack(torch.cat(same, dim=-1), group)  # [R, b, h, n, sum d]
+        ring, b, h = stacked.shape[:3]
+        gathered = stacked.permute(1, 2, 0, 3, 4).reshape(b, h, ring * n, -1).index_select(2, inverse)
+        whole += gathered.split([t.shape[-1] for t in same], dim=-1)
+    return whole, order[ring_rank * n : (ring_rank + 1) * n]
 
 
 def v32_projection(indexer: torch.nn.Module, hidden_states, q_resid, position_embeddings, rope: str | Callable):
@@ -139,28 +179,30 @@ def sp_index_topk(
     bounds: torch.Tensor,
     group: dist.ProcessGroup | None,
     rank: int,
+    sharding: SequenceSharding | None = None,
 ) -> torch.Tensor:
-    """``[b, seq, k]`` int32: for every query of the whole sequence, the whole-sequence positions of its top-k keys
-    among its document's causal prefix (positions past its visible keys are masked by ``selected_attention``).
-    ``projected``: this rank's (the ``rank``-th contiguous slice's) queries, keys, head weights and score scale (a
-    ``PROJECTIONS`` entry); the keys and the selections are gathered over ``group``."""
+    """``[b, seq, k]`` int32: for every query of the whole sequence (in sequence order), the whole-sequence positions
+    of its top-k keys among its document's causal prefix (positions past its visible keys are masked by
+    ``selected_attention``). ``projected``: SP rank ``rank``'s queries, keys, head weights and score scale (a
+    ``PROJECTIONS`` entry), its shard of the ``sharding`` (a ring's zigzag one; ``None``: contiguous shards); the
+    keys and the selections are gathered over ``group``."""
     q, keys, weights, scale = projected
     b, s, heads, _ = q.shape
-    keys = gather_tokens(keys.contiguous(), group).float()  # [b, seq, d]
+    keys = gather_sequence(keys.contiguous(), group, sharding).float()  # [b, seq, d]
     seq = keys.shape[1]
     topk = min(indexer.index_topk, seq)
     docs = document_ids(bounds, b, seq, q.device)
     tile = max(1, SCORE_BYTES // (4 * heads * seq * b))
+    positions = local_positions(s, rank, sharding, q.device)
     picks = []
     for start in range(0, s, tile):
         rows = slice(start, min(s, start + tile))
         scores = torch.matmul(q[:, rows], keys.transpose(-1, -2).unsqueeze(1))
         scores = F.relu(scores if scale is None else scores * scale)
         index = torch.matmul(weights[:, rows].unsqueeze(-2), scores).squeeze(-2)  # [b, tile, seq]
-        queries = torch.arange(rows.start, rows.stop, device=q.device) + rank * s
-        index = index.masked_fill(~document_causal(docs, queries), float("-inf"))
+        index = index.masked_fill(~document_causal(docs, positions[rows]), float("-inf"))
         picks.append(index.topk(topk, dim=-1).indices.to(torch.int32))
-    return gather_tokens(torch.cat(picks, dim=1), group)
+    return gather_sequence(torch.cat(picks, dim=1), group, sharding)
 
 
 def placeholder_mask(hidden_states: torch.Tensor, seq: int) -> torch.Tensor:
@@ -171,27 +213,42 @@ def placeholder_mask(hidden_states: torch.Tensor, seq: int) -> torch.Tensor:
 
 
 def selected_attention(
-    q, k, v, selection: torch.Tensor, bounds: torch.Tensor, scale: float, dropout: float = 0.0, sinks=None, keep=None
+    q,
+    k,
+    v,
+    selection: torch.Tensor,
+    bounds: torch.Tensor,
+    scale: float,
+    dropout: float = 0.0,
+    sinks=None,
+    keep=None,
+    queries: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``[b, s, h, dv]``: each query of ``q`` (``[b, h, s, d]``, the whole sequence) attends to the keys its
-    ``selection`` picks that are visible to it (its document, causal). ``selection``: one row per query along its
-    dim -2, made a key mask (``[b, 1 or h, rows, seq]`` bool) by ``keep``; by default DSA's top-k whole-sequence
-    positions (``[b, s, k]``, ``selected_positions``). ``sinks`` (``[h]``, HY-V4's): one extra logit per head in each
+    """``[b, n, h, dv]``: each query of ``q`` (``[b, h, n, d]``; the whole sequence, or those at the whole-sequence
+    positions ``queries``) attends to the keys (``k``, ``v``: the whole sequence) its ``selection`` picks that are
+    visible to it (its document, causal). ``selection``: one row per query of the whole sequence along its dim -2,
+    made a key mask (``[b, 1 or h, rows, seq]`` bool) by ``keep``; by default DSA's top-k whole-sequence positions
+    (``[b, seq, k]``, ``selected_positions``). ``sinks`` (``[h]``, HY-V4's): one extra logit per head in each
     softmax's denominator, attending to nothing. Computed in query tiles of at most ``SCORE_BYTES`` of fp32 scores,
-    each recomputed in the backward: memory ``O(b h tile s)``, not ``O(b h s^2)`` (the compute is still dense:
+    each recomputed in the backward: memory ``O(b h tile seq)``, not ``O(b h n seq)`` (the compute is still dense:
     every key is scored, unselected ones masked)."""
     if sinks is not None and dropout:
         raise ValueError("DSA with attention sinks under SP has no attention dropout; set attention_dropout=0.")
-    b, h, seq, _ = q.shape
+    b, h, n, _ = q.shape
+    seq = k.shape[2]
+    if queries is None:
+        queries = torch.arange(seq, device=q.device)
+    else:
+        selection = selection.index_select(-2, queries.to(selection.device))
     docs = document_ids(bounds, b, seq, q.device)
     tile = max(1, SCORE_BYTES // (4 * b * h * seq))
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     keep = keep or functools.partial(selected_positions, seq=seq)
     outs = []
-    for start in range(0, seq, tile):
-        rows = slice(start, min(seq, start + tile))
-        attend = functools.partial(_attend_tile, start=start, scale=scale, dropout=dropout, keep=keep)
-        args = (q[:, :, rows], k, v, selection[..., rows, :], docs, sinks)
+    for start in range(0, n, tile):
+        rows = slice(start, min(n, start + tile))
+        attend = functools.partial(_attend_tile, scale=scale, dropout=dropout, keep=keep)
+        args = (q[:, :, rows], k, v, selection[..., rows, :], docs, sinks, queries[rows])
         outs.append(checkpoint(attend, *args, use_reentrant=False) if grad else attend(*args))
     return torch.cat(outs, dim=2).transpose(1, 2)
 
@@ -205,10 +262,10 @@ def selected_positions(indices: torch.Tensor, seq: int) -> torch.Tensor:
     return picked[:, None, :, :seq]
 
 
-def _attend_tile(q, k, v, selection, docs, sinks, start: int, scale: float, dropout: float, keep) -> torch.Tensor:
-    """``[b, h, tile, dv]``: the queries ``start, start + 1, ...`` over their selected visible keys."""
+def _attend_tile(q, k, v, selection, docs, sinks, queries, scale: float, dropout: float, keep) -> torch.Tensor:
+    """``[b, h, tile, dv]``: the queries at the whole-sequence positions ``queries`` over their selected visible
+    keys."""
     b, _, rows, _ = q.shape
-    queries = torch.arange(start, start + rows, device=q.device)
     visible = keep(selection) & document_causal(docs, queries)[:, None]
     if sinks is None:
         gqa = k.shape[1] != q.shape[1]

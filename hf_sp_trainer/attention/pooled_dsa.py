@@ -1,5 +1,5 @@
-"""GLM-5-Next's pooled DeepSeek sparse attention (``Glm5NextTextIndexer``, ``Glm5NextTextAttention``) under Ulysses
-SP, exact.
+"""GLM-5-Next's pooled DeepSeek sparse attention (``Glm5NextTextIndexer``, ``Glm5NextTextAttention``) under SP,
+exact (with a ring too: its selection gathered in sequence order, its keys by DSA's all-gather path).
 
 Its indexer scores *pools* of ``index_kpool`` consecutive keys instead of single keys: a pool's key is a gated
 average of its keys (a softmax over the pool's tokens, per channel, of a gate projection plus a learned offset per
@@ -23,7 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .dsa import INDICES_KWARG, SCORE_BYTES, gather_tokens
+from ..sharding.sequence import SequenceSharding
+from .dsa import INDICES_KWARG, SCORE_BYTES, gather_sequence, local_positions
 
 
 def pooled_projection(indexer: torch.nn.Module, hidden_states: torch.Tensor, q_resid: torch.Tensor):
@@ -59,14 +60,16 @@ def sp_pooled_topk(
     bounds: torch.Tensor,
     group: dist.ProcessGroup | None,
     rank: int,
+    sharding: SequenceSharding | None = None,
 ) -> torch.Tensor:
-    """``[b, seq, width]`` int32: for every query of the whole sequence, the whole-sequence positions of the tokens
-    of its best visible pools and of its own incomplete pool, ``-1`` padded (``width`` as transformers': the top-k,
-    plus ``index_kpool - 1`` with the tail). ``projected``: this rank's (the ``rank``-th contiguous slice's)
-    ``pooled_projection``; keys, gates and the selections are gathered over ``group``."""
+    """``[b, seq, width]`` int32: for every query of the whole sequence (in sequence order), the whole-sequence
+    positions of the tokens of its best visible pools and of its own incomplete pool, ``-1`` padded (``width`` as
+    transformers': the top-k, plus ``index_kpool - 1`` with the tail). ``projected``: SP rank ``rank``'s
+    ``pooled_projection``, its shard of the ``sharding`` (a ring's zigzag one; ``None``: contiguous shards); keys,
+    gates and the selections are gathered over ``group``."""
     q, keys, gates, weights = projected
     b, s, heads, _ = q.shape
-    keys, gates = (gather_tokens(t.contiguous(), group) for t in (keys, gates))
+    keys, gates = (gather_sequence(t.contiguous(), group, sharding) for t in (keys, gates))
     seq, size = keys.shape[1], indexer.index_kpool
     tail = size - 1 if indexer.index_kpool_always_select_tail else 0
     width = indexer.index_topk + tail
@@ -79,7 +82,7 @@ def sp_pooled_topk(
         pools = document_pools(starts, ends, size, q.device)
         pooled = pool_keys(indexer, keys[row], gates[row], pools).float()  # [pools, D]
         doc_start = torch.as_tensor(starts, device=q.device)
-        queries = torch.arange(s, device=q.device) + rank * s
+        queries = local_positions(s, rank, sharding, q.device)
         first = doc_start[torch.searchsorted(doc_start, queries, right=True) - 1]  # each query's document start
         pool_first = pools[:, 0]
         select = min(indexer.index_topk // size, pools.shape[0])
@@ -100,7 +103,7 @@ def sp_pooled_topk(
                 start = (queries[rows] + 1 - seen % size)[:, None] + offsets
                 own = start.masked_fill(offsets >= (seen % size)[:, None], -1)
                 picks[row, rows, indexer.index_topk :] = own
-    return gather_tokens(picks.to(torch.int32), group)
+    return gather_sequence(picks.to(torch.int32), group, sharding)
 
 
 def glm5_next_attention_forward(

@@ -16,7 +16,8 @@ hands it to the attention as a mask. Under SP (``mixers.swap``, behaviour-checke
    within its document (``dsa.selected_attention``).
 
 Exact when the top-k picks the same blocks as one device: the block scores are the same fp32 sums, so only blocks
-tied at the k-th place can differ. A ring (``ring_size > 1``) is refused, as for DSA.
+tied at the k-th place can differ. With a ring, as for DSA: the selection over the zigzag shards, gathered in
+sequence order, and the ring group's K/V gathered (``dsa.ring_gather``).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..sharding.sequence import SequenceSharding
 from .block_sparse import complete_windows, document_positions, windows_seen
-from .dsa import SCORE_BYTES, gather_tokens
+from .dsa import SCORE_BYTES, gather_sequence, local_positions
 
 
 def qsa_projection(indexer: torch.nn.Module, hidden_states, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,23 +69,26 @@ def sp_qsa_select(
     bounds: torch.Tensor,
     group: dist.ProcessGroup | None,
     rank: int,
+    sharding: SequenceSharding | None = None,
 ) -> torch.Tensor:
-    """``[b, seq, budget + ratio - 1]`` int32: for every query of the whole sequence, the whole-sequence positions of
-    the tokens it attends to (its top blocks' and its incomplete block's; unused slots repeat its first pick).
-    ``projected``: this rank's (the ``rank``-th contiguous slice's) queries and keys (``qsa_projection``), gathered
-    over ``group`` with their RoPE tables."""
+    """``[b, seq, budget + ratio - 1]`` int32: for every query of the whole sequence (in sequence order), the
+    whole-sequence positions of the tokens it attends to (its top blocks' and its incomplete block's; unused slots
+    repeat its first pick). ``projected``: SP rank ``rank``'s queries and keys (``qsa_projection``), its shard of the
+    ``sharding`` (a ring's zigzag one; ``None``: contiguous shards), gathered over ``group`` with their RoPE tables."""
     q, keys = projected
     b, s, heads, dim = q.shape
     ratio, topk = indexer.compress_ratio, indexer.block_topk
-    cos, sin = (gather_tokens(t, group) for t in position_embeddings)
-    rows, starts, block_keys, docs, pos = pooled_blocks(indexer, gather_tokens(keys, group), cos, sin, bounds)
+    cos, sin = (gather_sequence(t.contiguous(), group, sharding) for t in position_embeddings)
+    whole_keys = gather_sequence(keys.contiguous(), group, sharding)
+    rows, starts, block_keys, docs, pos = pooled_blocks(indexer, whole_keys, cos, sin, bounds)
     block_docs, block_ends = docs[rows, starts], starts + ratio - 1
     within = torch.arange(ratio, device=q.device)
     tile = max(1, SCORE_BYTES // (4 * b * heads * max(len(starts), 1)))
+    positions = local_positions(s, rank, sharding, q.device)
     picks = []
     for first in range(0, s, tile):
         local = slice(first, min(s, first + tile))
-        queries = torch.arange(local.start, local.stop, device=q.device) + rank * s  # whole-sequence positions
+        queries = positions[local]  # whole-sequence positions
         scores = torch.relu(torch.matmul(q[:, local], block_keys.T)).sum(dim=2) / dim**0.5  # [b, t, n]
         seen = windows_seen(block_docs, block_ends, docs, queries)
         top = scores.masked_fill(~seen, float("-inf")).topk(min(topk, len(starts)), dim=-1)
@@ -97,4 +102,4 @@ def sp_qsa_select(
         both, ok = F.pad(both, (0, pad)), F.pad(ok, (0, pad))
         first_ok = both.gather(-1, ok.int().argmax(-1, keepdim=True))
         picks.append(torch.where(ok, both, first_ok).to(torch.int32))
-    return gather_tokens(torch.cat(picks, dim=1), group)
+    return gather_sequence(torch.cat(picks, dim=1), group, sharding)

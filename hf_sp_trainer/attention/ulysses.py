@@ -5,7 +5,8 @@ ranks) turns ``[b, h, s/P, d]`` into ``[b, h/U, s/R, d]``: this rank's heads ove
 sequence when the ring size ``R`` is 1). The inner kernel runs on the whole sequence (``R == 1``), or ring attention
 passes K/V blocks around the ring group (``R > 1``); a second all-to-all turns ``[b, s/R, h/U, d]`` back into
 ``[b, s/P, h, d]``. Document boundaries come from the ``position_ids`` of the whole sequence, gathered once per
-forward step by a pre-hook on the decoder.
+forward step by a pre-hook on the decoder. The top-k selecting attentions (DSA and its kin, MiniMax-M3's blocks)
+take the all-gather path with a ring instead: the ring group's K/V gathered in sequence order (``dsa.ring_gather``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..sharding import SequenceSharding
 from ..sharding.image_blocks import IMAGE_BLOCKS_KWARG, IMAGE_BLOCKS_MARK, mark_image_block_layers
 from ..topology import SPTopology
 from .block_sparse import BLOCKS_KWARG, block_selected_attention
-from .dsa import INDICES_KWARG, selected_attention
+from .dsa import INDICES_KWARG, ring_gather, selected_attention
 from .kernels import is_varlen_kernel, resolve_kernel, run_kernel
 from .position_rules import (
     CHUNK_MARK,
@@ -147,15 +148,20 @@ class UlyssesAttention:
         query, key, value = autocast_like_sdpa(query, key, value)
         q, k, v = all_to_all_many((query, key, value), scatter_dim=1, gather_dim=2, group=group)  # one collective
         # [b, h/U, s/R, d]: this rank's heads over its ring portion (the whole sequence without a ring)
-        if indices is not None:  # DSA (no ring: validate refuses one): each query's selected keys
+        queries = None  # the selecting attentions with a ring: the ring group's K/V gathered, this portion's queries
+        if (indices is not None or selected_blocks is not None) and topo.ring_size > 1:
+            order = self.sharding.order(q.shape[2] * topo.ring_size)
+            (k, v), queries = ring_gather((k, v), topo.ring_group, topo.ring_rank, order)
+        if indices is not None:  # DSA (QSA, pooled DSA): each query's selected keys
             scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
-            out = selected_attention(q, k, v, indices, bounds, scale, kwargs.get("dropout", 0.0), sinks)
-        elif selected_blocks is not None:  # MiniMax-M3 (no ring either): this rank's heads' groups' blocks
+            dropout = kwargs.get("dropout", 0.0)
+            out = selected_attention(q, k, v, indices, bounds, scale, dropout, sinks, queries=queries)
+        elif selected_blocks is not None:  # MiniMax-M3: this rank's heads' groups' blocks
             scale = kwargs.get("scaling") or q.shape[-1] ** -0.5
             first = topo.ulysses_rank * q.shape[1]
             out = block_selected_attention(
                 q, k, v, selected_blocks, module.indexer.block_size, query.shape[1], first, bounds, scale,
-                kwargs.get("dropout", 0.0),
+                kwargs.get("dropout", 0.0), queries,
             )  # fmt: skip
         elif blocks is not None or self._uses_blocks(q, kwargs, sinks is not None):  # one op: all documents, the ring
             ring = topo.ring_group if topo.ring_size > 1 else None

@@ -27,6 +27,7 @@ from ..documents import (
     run_in_scope,
     scoped_sp_kwargs,
 )
+from ..sharding import SequenceSharding
 
 
 def _sp_documents(kwargs: dict):
@@ -74,15 +75,24 @@ def refuse_cache_and_dropout(module, cache, dropout: bool = False) -> None:
         )
 
 
+def ring_sharding(topology) -> dict:
+    """``{"sharding": the zigzag sharding}`` for a selection's keywords with a ring (``topology.ring_size > 1``),
+    ``{}`` without one (contiguous shards)."""
+    if topology.ring_size == 1:
+        return {}
+    return {"sharding": SequenceSharding(topology.sp_size, topology.ring_size)}
+
+
 def whole_sequence_selection(module, sp: tuple, cache, project: Callable, select: Callable) -> torch.Tensor:
     """An indexer's selection under SP (``sp``: ``selection_sp``'s bounds and topology): its projection of this
-    rank's tokens (``project()``, no autograd), then ``select`` over the whole sequence gathered across the group.
-    Without a cache (SP refuses cached decoding)."""
+    rank's tokens (``project()``, no autograd), then ``select`` over the whole sequence gathered across the group;
+    with a ring, given the zigzag ``sharding`` of the tokens (the selections that take one; validate refuses a ring
+    for the others). Without a cache (SP refuses cached decoding)."""
     refuse_cache_and_dropout(module, cache)
     bounds, topology = sp
     with torch.no_grad():
         projected = project()
-    return select(module, projected, bounds, topology.sp_group, topology.sp_rank)
+    return select(module, projected, bounds, topology.sp_group, topology.sp_rank, **ring_sharding(topology))
 
 
 def dsa_attention_entry(original: Callable) -> Callable:
@@ -230,7 +240,10 @@ def qsa_attention_entry(original: Callable) -> Callable:
         (bounds, topology), indexer = sp, self.indexer
         with torch.no_grad():
             projected = qsa_projection(indexer, hidden_states, position_embeddings)
-            picks = sp_qsa_select(indexer, projected, position_embeddings, bounds, topology.sp_group, topology.sp_rank)
+            picks = sp_qsa_select(
+                indexer, projected, position_embeddings, bounds, topology.sp_group, topology.sp_rank,
+                **ring_sharding(topology),
+            )  # fmt: skip
         one = torch.ones((), dtype=torch.bool, device=hidden_states.device)
         scope = (*current_scope(), {k: kwargs[k] for k in (BOUNDS_KWARG, SP_KWARG)})  # its indexer reads it
         return run_in_scope(
@@ -294,6 +307,11 @@ def doge_attention_entry(original: Callable) -> Callable:
             )  # fmt: skip
         refuse_cache_and_dropout(self, cache, dropout=True)
         bounds, topology = sp
-        return doge_attention_forward(self, hidden_states, position_embeddings, bounds, topology.ulysses_group), None
+        ring = None
+        if topology.ring_size > 1:  # the ring group's keys gathered (DSA's all-gather path)
+            order = ring_sharding(topology)["sharding"].order(hidden_states.shape[1] * topology.sp_size)
+            ring = (topology.ring_group, topology.ring_rank, order)
+        out = doge_attention_forward(self, hidden_states, position_embeddings, bounds, topology.ulysses_group, ring)
+        return out, None
 
     return forward

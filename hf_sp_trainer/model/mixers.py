@@ -50,7 +50,8 @@ SP_KERNELS = (
 )
 # Attention classes that build their own mask (a learned sparse top-k) whose forward hf_sp_trainer.mixers.swap
 # replaces with an exact SP version (checked against the installed one): DeepSeek-V3.2's sparse attention (DSA).
-SP_ATTENTIONS = (
+# DSA's: their indexers' top-k by attention.dsa.sp_index_topk
+DSA_ATTENTIONS = (
     "DeepseekV32Attention",
     "GlmMoeDsaAttention",
     "AXK2Attention",
@@ -58,6 +59,9 @@ SP_ATTENTIONS = (
     "MistralLarge4TextAttention",  # queries scaled by document position; NoPE and shared layers
     "HYV4Attention",  # its per-head sinks; shared layers reuse the full layer's top-k
     "HYV4VLAttention",  # HY-V4-VL's decoder: HY-V4's maths, mrope positions, interleaved RoPE
+)
+SP_ATTENTIONS = (
+    *DSA_ATTENTIONS,
     "Glm5NextTextAttention",  # GLM-5-Next: pools of keys from each document's start, no RoPE (attention/pooled_dsa.py)
     "Qwen4ExpTextAttention",  # query-sparse: top blocks of pooled keys plus its own block's tail (attention/qsa.py)
     "DeepseekV4Attention",  # window + compressed entries (CSA's picked by its indexer), sinks: attention/deepseek_v4.py
@@ -78,7 +82,12 @@ SP_INDEXERS = (
 # kwarg) and whose indexer is swapped: MiniMax-M3's block-sparse attention (``attention/block_sparse.py``).
 SP_BLOCK_ATTENTIONS = ("MiniMaxM3VLAttention",)
 SP_BLOCK_INDEXERS = ("MiniMaxM3VLIndexer",)
-SELECTING_ATTENTIONS = (*SP_ATTENTIONS, *SP_BLOCK_ATTENTIONS)  # exact under Ulysses only: a ring is refused
+SELECTING_ATTENTIONS = (*SP_ATTENTIONS, *SP_BLOCK_ATTENTIONS)
+# The selecting attentions exact under Ulysses only (a ring is refused): DeepSeek-V4's (a left halo, not a gather);
+# the others gather the ring group's keys (attention/dsa.ring_gather)
+RING_SELECTING = (*DSA_ATTENTIONS, "Glm5NextTextAttention", "Qwen4ExpTextAttention", "DogeAttention")
+RING_SELECTING += SP_BLOCK_ATTENTIONS
+ULYSSES_ONLY_SELECTING = tuple(a for a in SELECTING_ATTENTIONS if a not in RING_SELECTING)
 # The selections' indexers: transformers runs them without autograd (their parameters never get a gradient, on one
 # device as under SP), which DDP must be told of (``trainers.base``: ``ddp_find_unused_parameters``)
 NO_GRAD_INDEXERS = (*SP_INDEXERS, *SP_BLOCK_INDEXERS, "DeepseekV4Indexer")

@@ -65,13 +65,13 @@ VERIFIED = frozenset(
         # (transformers 5.24's forward fails on a dict output, on one device too: tests/multimodal_llama4.py)
         "Llama4ForConditionalGeneration",
         "Kimi_K25Model",  # 1-D positions, a DeepSeek-V3 decoder (MLA, MoE); videos pooled per chunk of frames
-        "Dots3NoteModel",  # 1-D positions; DSA + sliding-window MLA (Ulysses only: DSA refuses a ring); no audio
-        "MistralLarge4Model",  # Pixtral's images; DSA with position-scaled queries, NoPE and shared layers (Ulysses)
-        "MiniMaxM3VLModel",  # 1-D positions, images / videos through one tower; block-sparse selection (Ulysses)
-        "Glm5NextModel",  # NoPE; pooled DSA from each document's start + KDA (Ulysses); images (videos: refused)
-        "HYV4VLModel",  # mrope; a newline feature ends each merged row; HY-V4's DSA, sinks, hyper-connections (Ulysses)
+        "Dots3NoteModel",  # 1-D positions; DSA + sliding-window MLA; no audio
+        "MistralLarge4Model",  # Pixtral's images; DSA with position-scaled queries, NoPE and shared layers
+        "MiniMaxM3VLModel",  # 1-D positions, images / videos through one tower; block-sparse selection
+        "Glm5NextModel",  # NoPE; pooled DSA from each document's start + KDA; images (videos: refused)
+        "HYV4VLModel",  # mrope; a newline feature ends each merged row; HY-V4's DSA, sinks, hyper-connections
         "Ernie4_5_VLMoeModel",  # mrope; videos' frames merged in pairs; experts by moe_mm_token_type_ids (per token)
-        "Qwen4ExpModel",  # Qwen3.5's mrope and tower; Gated DeltaNet, query-sparse attention (Ulysses), PLE n-grams
+        "Qwen4ExpModel",  # Qwen3.5's mrope and tower; Gated DeltaNet, query-sparse attention, PLE n-grams
         *IMAGE_BLOCK_MODELS,  # Gemma3; Gemma4 (per-layer head sizes, per-layer embeddings, shared kv; no audio)
     }
 )

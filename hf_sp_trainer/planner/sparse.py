@@ -33,9 +33,9 @@ With checkpointing (full) a layer keeps its input; its backward recomputes every
 transient with what precedes it in the layer). Checked against ``scripts/bench_memory.py`` CPU runs (fp32, sp 1 and 2,
 plain and checkpointed; ``docs/benchmarks/dsa_memory``). Not validated: bf16 / GPUs (the kernels' temporaries differ),
 the tiled MLP (it tiles dense MLPs only, so MoE layers are counted untiled), ``sequence_aware`` and offloading, a ring
-(refused with DSA, which SP runs under Ulysses only). Assumed: a memory-efficient kernel for unequal q/k and v head
-sizes (CPU sdpa at sp 1 has none: its math path keeps ``[H, s, s]``; the bench models use equal sizes). LoRA is
-refused (``lora_params``).
+with DSA (refused: its all-gather path keeps the ring group's K/V, not counted). Assumed: a memory-efficient kernel
+for unequal q/k and v head sizes (CPU sdpa at sp 1 has none: its math path keeps ``[H, s, s]``; the bench models use
+equal sizes). LoRA is refused (``lora_params``).
 """
 
 from __future__ import annotations
@@ -285,6 +285,10 @@ def sparse_kinds(m: ModelShape, s: Setting, ulysses: int, ring: int, tokens: int
     assert sparse is not None
     check_setting(m, s)
     if sparse.dsa_layers and ring > 1:
-        raise ValueError("DeepSeek sparse attention under SP runs Ulysses only (no ring): sp must divide the heads.")
+        raise ValueError(
+            "DeepSeek sparse attention with a ring (it gathers the ring group's K/V) is not counted by the memory "
+            "model (not measured): plan an sp dividing the heads (Ulysses alone), or measure with "
+            "scripts/bench_memory.py."
+        )
     kinds = [(m.layers - sparse.moe_layers, False), (sparse.moe_layers, True)]
     return [(n, layer_activations(m, s, ulysses, tokens, moe)) for n, moe in kinds if n]
