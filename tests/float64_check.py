@@ -57,3 +57,39 @@ def float64_errors(model_type: str, class_name: str, crossed: bool) -> dict[str,
     dist.barrier()
     dist.destroy_process_group()
     return errors
+
+
+def vlm_float64_errors(family: str, layout: str, sp_size: int, ring: int | None = None) -> dict[str, tuple]:
+    """On every rank of a new default group: a VLM matrix case's worst relative error and where (``multimodal_harness``:
+    SP on the packed row against each document alone, loss and every gradient) in fp32 (``fp32``) and wholly in
+    float64 (``fp64``: the model, its media and its pinned fp32 islands; its experts on the eager path, as torch's
+    grouped_mm takes no float64)."""
+    import contextlib
+
+    import torch.distributed as dist
+    from transformers.utils import logging
+
+    from hf_sp_trainer import SPMultimodalCollator, apply_sequence_parallel
+    from tests.harness import worst_error
+    from tests.multimodal_harness import LAYOUTS, build_vlm, make_examples, reference, sp_run
+
+    logging.set_verbosity_error()
+    dist.init_process_group("gloo")
+    errors = {}
+    for name, dtype in (("fp32", torch.float32), ("fp64", torch.float64)):
+        model = build_vlm(family).to(dtype)
+        if dtype == torch.float64:
+            model.set_experts_implementation("eager")
+        examples = [
+            {k: v.to(dtype) if v.is_floating_point() else v for k, v in example.items()}
+            for example in make_examples(LAYOUTS[layout], family)
+        ]
+        scope = Float32AsFloat64 if dtype == torch.float64 else contextlib.nullcontext
+        with scope():
+            ref = reference(model, examples)
+        batch = SPMultimodalCollator(model)(examples)
+        with apply_sequence_parallel(model, sp_size, ring_size=ring) as sp:  # its checks in their own dtypes
+            with scope():
+                errors[name] = worst_error(ref, sp_run(model, sp, batch))
+    dist.barrier()
+    return errors

@@ -696,6 +696,18 @@ def test_dots3_note_length_settings_act() -> None:
         assert min(gaps.values()) > 1e-2, (layout, gaps)
 
 
+@pytest.mark.dist
+def test_hy_v4_vl_gap_is_round_off() -> None:
+    """HY-V4-VL at sp 4 sits closest to the bar of the matrix in fp32 (7.9e-6: its hyper-connection head's gradient, a
+    sum over tokens with cancellation, as HY-V4's): wholly in float64 the same case agrees with each document alone
+    to ~1e-14, so that gap is round-off, not SP (``tests/float64_check.py``)."""
+    from tests.float64_check import vlm_float64_errors
+
+    for errors in unwrap_results(run_distributed(4, vlm_float64_errors, "hy_v4_vl", "mixed", 4)):
+        (fp32, _), (fp64, _) = errors["fp32"], errors["fp64"]
+        assert 1e-9 < fp32 <= EXACT and fp64 < 1e-11, errors
+
+
 @pytest.mark.dist  # in-process, but four VLM references: off the unit tier's budget, as dots3-note's
 @pytest.mark.parametrize("family", ["mistral_large4", "minimax_m3_vl", "hy_v4_vl", "glm5_next"])
 def test_selection_top_k_acts(family: str) -> None:
