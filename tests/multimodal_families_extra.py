@@ -28,8 +28,10 @@ All but HY-V4-VL have 1-D positions (no ``get_rope_index``); all merge one featu
 - GLM-5-Next (``Glm5NextForConditionalGeneration``): a ``glm5_next_text`` decoder of KDA layers and pooled DSA layers
   (its indexer scores pools of ``index_kpool`` keys, counted under SP from each document's start: transformers counts
   them from the row's; ``attention/pooled_dsa.py``), NoPE, hyper-connections, MoE; dots3-note's pixel rows and
-  placeholders. Images only: its video frames are image tokens told apart by the video start / end tokens around them
-  (``VIDEO_SPAN``), which a shard need not hold, so SP refuses its videos (``multimodal/features.py``).
+  placeholders. Its video frames are image tokens told apart by the video start / end tokens around them
+  (``VIDEO_SPAN``), as its processor lays them out: ``<video_start>``, per frame ``<image_start> <image>*
+  <image_end> <timestamp>``, ``<video_end>``; a shard need not hold a span's ends, so SP tells them apart on the
+  whole sequence and merges each rank's rows itself (``multimodal/features.py``).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ PIXTRAL_FAMILIES = {"mistral_large4": "MistralLarge4ForConditionalGeneration"}  
 ULYSSES_ONLY: dict[str, str] = {}  # none: every selecting decoder here takes a ring (DSA's all-gather path)
 FAMILIES["hy_v4_vl"] = "HYV4VLForConditionalGeneration"  # HY-V4's DSA with sinks and hyper-connections, mrope
 FAMILIES["glm5_next"] = "Glm5NextForConditionalGeneration"  # pooled DSA (NoPE) + KDA, hyper-connections, MoE
-IMAGES_ONLY = {"glm5_next": "its video frames are image tokens inside video spans a shard need not hold"}
+SPAN_VIDEOS = ("glm5_next",)  # video frames at the image token inside VIDEO_SPAN
 BLOCK = dict(index_block_size=4, index_topk_blocks=2, index_local_blocks=1)  # MiniMax-M3: top-2 blocks of 4 keys
 
 
@@ -193,6 +195,11 @@ def extra_medium(
             ids += [int(torch.randint(3, IMG, (1,), generator=g)), VSTART] + [VID] * (h * w // 4) + [VEND]
         pixels = torch.randn(t * TEMPORAL * h * w, 3, 2, 2, generator=g)
         return ids, pixels, torch.tensor([[TEMPORAL, h, w]] * t)
+    if family in SPAN_VIDEOS and modality == "video":  # GLM-5-Next: frames of image tokens inside the span
+        ids = [VIDEO_SPAN[0]]
+        for _ in range(t):
+            ids += [VSTART] + [IMG] * (h * w // 4) + [VEND, int(torch.randint(3, IMG, (1,), generator=g))]
+        return [*ids, VIDEO_SPAN[1]], torch.randn(t * h * w, 3 * 2 * 2, generator=g), torch.tensor([[t, h, w]])
     newline = family == "hy_v4_vl"  # HY-V4-VL: each merged row of a frame ends with a newline placeholder
     ids = [VSTART] + [token] * (t * (h // 2) * (w // 2 + newline)) + [VEND]
     return ids, torch.randn(t * h * w, 3 * 2 * 2, generator=g), torch.tensor([[t, h, w]])

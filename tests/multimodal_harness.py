@@ -10,7 +10,7 @@ row and sums each rank's token losses and gradients over the SP group.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +21,7 @@ from hf_sp_trainer.model.vlm import vlm_base
 from tests.harness import worst_error
 from tests.multimodal_families_extra import CONFIGS as EXTRA_CONFIGS
 from tests.multimodal_families_extra import FAMILIES as EXTRA_FAMILIES
-from tests.multimodal_families_extra import IMAGES_ONLY, PIXTRAL_FAMILIES, extra_medium
+from tests.multimodal_families_extra import PIXTRAL_FAMILIES, SPAN_VIDEOS, extra_medium
 from tests.multimodal_families_mrope import CONFIGS as MROPE_CONFIGS
 from tests.multimodal_families_mrope import FAMILIES as MROPE_FAMILIES
 from tests.multimodal_families_mrope import FRAMES_APART, OWN_LAYOUT, mrope_medium, mrope_token_types
@@ -504,7 +504,7 @@ def make_examples(docs: list[Doc], family: str = "qwen2_vl", seed: int = 0) -> l
                     medium_of = extra_medium if family in EXTRA_FAMILIES else mrope_medium
                     run, medium, grid = medium_of(family, modality, (t, h, w), g)
                     ids += run
-                    token = IMG if modality == "image" else VID
+                    token = IMG if modality == "image" or family in SPAN_VIDEOS else VID
                     types += [MODALITY_TYPE[modality] if x == token else 0 for x in ids[len(types) :]]
                     pixels[modality].append(medium)
                     grids[modality].append(grid)
@@ -848,8 +848,6 @@ def train_vlm(
         targets = r"model\.language_model\..*\.(q_proj|v_proj)"  # the decoder's only: the tower stays frozen
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0))
     docs = TRAIN_DOCS
-    if family in IMAGES_ONLY:  # GLM-5-Next: SP refuses its videos; a layout's video becomes an image of one frame
-        docs = [replace(d, media=tuple(("image", (1, h, w)) for _, (_, h, w) in d.media)) for d in docs]
     examples = make_examples(docs, family)
     common = dict(
         quiet_args(out_dir, steps),

@@ -14,6 +14,7 @@ from ..model.vlm import (
     rope_index,
     row_newline,
     shared_placeholder,
+    span_marked_video,
     temporal_merge,
     token_ids,
     uses_mrope,
@@ -52,6 +53,7 @@ class SPMultimodalCollator:
         vision = getattr(model.config, "vision_config", None)
         self._merge = getattr(vision, "spatial_merge_size", None)
         self._newline = row_newline(base)  # HY-V4-VL: one more placeholder per merged row of patches
+        self._video_spans = span_marked_video(model)  # GLM-5-Next: video frames at the image token, inside spans
         self._pooling = getattr(vision, "pooling_kernel_size", None)  # Gemma4: patches pooled k x k per feature
         forward = inspect.signature(type(base).forward).parameters
         takes_plain = "token_type_ids" in forward and "mm_token_type_ids" not in forward
@@ -89,9 +91,16 @@ class SPMultimodalCollator:
         return doc
 
     def _types(self, ids: torch.Tensor, media: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``mm_token_type_ids`` from the placeholders; where images and videos share one token (GLM-4V), from which
-        of the two the example holds."""
+        """``mm_token_type_ids`` from the placeholders; where images and videos share one token, from which of the two
+        the example holds (GLM-4V) or from the video start / end tokens around them (GLM-5-Next, as its processor)."""
         types = torch.zeros_like(ids)
+        if self._video_spans is not None:
+            start, end = self._video_spans
+            in_video = (ids == start).cumsum(0) > (ids == end).cumsum(0)
+            placeholder = ids == self.token_ids["image"]
+            types[placeholder & ~in_video] = MODALITY_TYPE["image"]
+            types[placeholder & in_video] = MODALITY_TYPE["video"]
+            return types
         present = [m for m in self.token_ids if PIXELS[m] in media]
         if shared_placeholder(self.token_ids) and len(present) > 1:
             raise ValueError(

@@ -68,7 +68,7 @@ VERIFIED = frozenset(
         "Dots3NoteModel",  # 1-D positions; DSA + sliding-window MLA; no audio
         "MistralLarge4Model",  # Pixtral's images; DSA with position-scaled queries, NoPE and shared layers
         "MiniMaxM3VLModel",  # 1-D positions, images / videos through one tower; block-sparse selection
-        "Glm5NextModel",  # NoPE; pooled DSA from each document's start + KDA; images (videos: refused)
+        "Glm5NextModel",  # NoPE; pooled DSA from each document's start + KDA; videos: frames inside spans
         "HYV4VLModel",  # mrope; a newline feature ends each merged row; HY-V4's DSA, sinks, hyper-connections
         "Ernie4_5_VLMoeModel",  # mrope; videos' frames merged in pairs; experts by moe_mm_token_type_ids (per token)
         "Qwen4ExpModel",  # Qwen3.5's mrope and tower; Gated DeltaNet, query-sparse attention, PLE n-grams

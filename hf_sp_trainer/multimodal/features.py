@@ -7,7 +7,9 @@ selects those rows (a differentiable ``index_select``; Qwen3-VL's deepstack leve
 model as ``mm_encoder_outputs``. The model's own ``get_placeholder_mask`` / ``masked_scatter`` then run unchanged on
 the shard: no rank builds the whole sequence's embeddings, and each encoder gradient arrives through the rank's own
 rows (summed over the SP group by the data-parallel reduction, as for ``embed_tokens``). With ``split_media`` (phase
-2, ``media_split.py``) each rank encodes only a group of the media and the feature rows are exchanged.
+2, ``media_split.py``) each rank encodes only a group of the media and the feature rows are exchanged. GLM-5-Next's
+video frames are image tokens inside video start / end spans a shard need not hold: its placeholders are told apart
+on the whole sequence and the hook merges the rank's rows itself (``merge_own_rows``), as the model's merge does.
 """
 
 from __future__ import annotations
@@ -74,13 +76,6 @@ class MediaFeatures:
                 "which takes no precomputed audio rows, so SP can't give each rank its own audio tokens' features. "
                 "Train on audio with sp_size=1."
             )
-        if self.video_spans is not None and kwargs.get(PIXELS["video"]) is not None:
-            raise ValueError(
-                f"{self.name}'s video frames are image tokens (id {self.token_ids['image']}) told apart from images "
-                f"only by the video start / end tokens around them (ids {self.video_spans}), which a rank's shard "
-                "need not hold: under SP its own placeholder mask would take frames for images. Train on its videos "
-                "with sp_size=1; SP runs its images."
-            )
         rule = self.image_blocks
         if rule is not None and kwargs.get(rule.types_key) is not None:  # the images of the whole rows
             types = kwargs[rule.types_key]
@@ -92,7 +87,7 @@ class MediaFeatures:
             )
         if not media:
             return args, kwargs
-        if len(media) > 1 and shared_placeholder(self.token_ids):
+        if len(media) > 1 and shared_placeholder(self.token_ids) and self.video_spans is None:
             raise ValueError(
                 f"{self.name} places image and video features at the same token (id {self.token_ids['image']}), "
                 "so one batch can't hold both (its own forward refuses that on one device too): put images and "
@@ -101,9 +96,8 @@ class MediaFeatures:
         input_ids = kwargs.get("input_ids")
         if input_ids is None:
             raise ValueError(f"{self.name} under SP with media needs input_ids (the placeholders), not inputs_embeds.")
-        local = torch.stack([input_ids == self.token_ids[m] for m in media]).to(torch.int32)  # [m, b, s/P]
         group = self.topology.sp_group
-        full = self.sharding.unshard(all_gather_along(local, 2, group), 2)  # [m, b, s]: every rank, same values
+        local, full = self._placeholders(input_ids, media)  # [m, b, s/P], [m, b, s]: every rank, the same full
         positions = self.sharding.positions(full.shape[-1], self.topology.sp_rank).to(full.device)
         outputs = dict(kwargs.get("mm_encoder_outputs") or {})
         self.exchanged = 0
@@ -137,8 +131,39 @@ class MediaFeatures:
                 fields["deepstack_features"] = [(level.index_select(0, index),) for level in deep]
             outputs[modality] = type(encoded)(**fields)  # a new output: the old one's dict still holds every state
             kwargs[PIXELS[modality]] = None
+        if self.video_spans is not None:  # its own mask would read the spans from the shard: merged here instead
+            return args, merge_own_rows(base, kwargs, media, local, outputs)
         kwargs["mm_encoder_outputs"] = outputs
         return args, kwargs
+
+    def _placeholders(self, input_ids: torch.Tensor, media: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(local [m, b, s/P], full [m, b, s])`` int32: each modality's placeholder tokens on this rank's shard and
+        on the whole sequence (one all-gather). GLM-5-Next's video frames are image tokens inside video start / end
+        spans: told apart on the whole sequence, where every span is whole."""
+        group = self.topology.sp_group
+        if self.video_spans is None:
+            local = torch.stack([input_ids == self.token_ids[m] for m in media]).to(torch.int32)
+            return local, self.sharding.unshard(all_gather_along(local, 2, group), 2)
+        start, end = self.video_spans
+        marks = torch.stack([input_ids == t for t in (self.token_ids["image"], start, end)]).to(torch.int32)
+        placeholder, starts, ends = self.sharding.unshard(all_gather_along(marks, 2, group), 2)
+        in_video = starts.cumsum(-1) > ends.cumsum(-1)
+        full = torch.stack([placeholder * (in_video if m == "video" else ~in_video) for m in media]).to(torch.int32)
+        positions = self.sharding.positions(full.shape[-1], self.topology.sp_rank).to(full.device)
+        return full[..., positions], full
+
+
+def merge_own_rows(base: torch.nn.Module, kwargs: dict, media: list[str], local: torch.Tensor, outputs: dict) -> dict:
+    """``kwargs`` with this rank's ``inputs_embeds``: its tokens' embeddings, each modality's feature rows scattered
+    at its placeholders (``local``) in order — the model's own merge (``masked_scatter`` of the pooled rows) with the
+    masks of the whole sequence — and no ``input_ids`` or media left to merge."""
+    embeds = base.get_input_embeddings()(kwargs["input_ids"])
+    for i, modality in enumerate(media):
+        rows = getattr(outputs[modality], feature_field(outputs[modality]))
+        rows = torch.cat(rows, dim=0) if _is_split(rows) else rows.reshape(-1, rows.shape[-1])
+        rows = rows.to(embeds.device, embeds.dtype)
+        embeds = embeds.masked_scatter(local[i].bool()[..., None], rows)
+    return {**kwargs, "input_ids": None, "inputs_embeds": embeds, "mm_encoder_outputs": None}
 
 
 def encode(base: torch.nn.Module, modality: str, kwargs: dict):
