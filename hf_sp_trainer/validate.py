@@ -11,7 +11,7 @@ from .attention.block_attention import check_kernel
 from .attention.position_rules import position_rules
 from .attention.ulysses import VARLEN_KEY, is_sp_key
 from .model.heads import attention_shapes, head_counts
-from .model.mixers import ULYSSES_ONLY_SELECTING, check_sequence_mixers, covered_mixers, uses_attention_registry
+from .model.mixers import CONTEXT_PARALLEL_ATTENTIONS, check_sequence_mixers, covered_mixers, uses_attention_registry
 from .model.vlm import check_multimodal, text_decoder, uses_image_blocks
 from .topology import split_sp_size
 
@@ -46,14 +46,10 @@ def validate_model_for_sp(
             )
     heads, _ = head_counts(model.config)
     check_sinks(model)
+    parallel = [type(m).__name__ for m in model.modules() if type(m).__name__ in CONTEXT_PARALLEL_ATTENTIONS]
+    if parallel:
+        return context_parallel_split(name, parallel, len(shapes), sp_size, ring_size)
     ulysses, ring = split_sp_size(sp_size, heads, ring_size)
-    sparse = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in ULYSSES_ONLY_SELECTING})
-    if ring > 1 and sparse:
-        raise ValueError(
-            f"{name}'s {sparse[0]} (a top-k sparse attention) runs under Ulysses SP only: sp_size={sp_size} splits "
-            f"as ulysses {ulysses} x ring {ring} for its {heads} query heads. Choose an sp_size dividing {heads} and "
-            "sp_ring_size=1."
-        )
     kernel = kernel or model.config._attn_implementation
     if is_sp_key(kernel):
         raise ValueError(f"The inner attention kernel can't be SP's own ({kernel!r}): set sp_attn_implementation.")
@@ -74,6 +70,23 @@ def validate_model_for_sp(
                 f"have no attention dropout (attention_dropout={dropout}); set it to 0 to train with sp_size={sp_size}."
             )
     return ulysses, ring
+
+
+def context_parallel_split(name: str, parallel: list[str], layers: int, sp_size: int, ring_size: int | None):
+    """``(sp_size, 1)`` for a model whose every attention layer splits no heads (``CONTEXT_PARALLEL_ATTENTIONS``:
+    contiguous shards, every rank all heads of its own queries), whatever its head count; a ring, or such layers
+    beside others, refused."""
+    if len(parallel) != layers:
+        raise ValueError(
+            f"{name} has {len(parallel)} {parallel[0]} layers (every rank keeps all heads of its own queries) among "
+            f"{layers} attention layers: SP runs them only in a model of nothing else. Use sp_size=1."
+        )
+    if ring_size not in (None, 1):
+        raise ValueError(
+            f"{name}'s {parallel[0]} splits no heads (every rank keeps all heads of its own queries, on contiguous "
+            f"shards), so it takes any sp_size and no ring: got sp_ring_size={ring_size}. Set sp_ring_size=1 (or None)."
+        )
+    return sp_size, 1
 
 
 def check_sinks(model: torch.nn.Module) -> None:

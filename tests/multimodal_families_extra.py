@@ -52,7 +52,6 @@ FAMILIES = {
 }
 # Pixtral's image layout (the harness's ``PIXTRAL``: 4h x 4w pixels, h rows of w placeholders, [IMG_BREAK] rows)
 PIXTRAL_FAMILIES = {"mistral_large4": "MistralLarge4ForConditionalGeneration"}  # DSA (positional), MoE
-ULYSSES_ONLY: dict[str, str] = {}  # none: every selecting decoder here takes a ring (DSA's all-gather path)
 FAMILIES["hy_v4_vl"] = "HYV4VLForConditionalGeneration"  # HY-V4's DSA with sinks and hyper-connections, mrope
 FAMILIES["glm5_next"] = "Glm5NextForConditionalGeneration"  # pooled DSA (NoPE) + KDA, hyper-connections, MoE
 SPAN_VIDEOS = ("glm5_next",)  # video frames at the image token inside VIDEO_SPAN

@@ -30,7 +30,6 @@ FAMILIES = {
 }
 FRAMES_APART = ("qwen4_exp",)  # Qwen3-VL's processor: each video frame its own run (the harness's generic layout)
 OWN_LAYOUT = ("ernie4_5_vl_moe",)  # laid out by ``mrope_medium``
-ULYSSES_ONLY: dict[str, str] = {}  # none: Qwen4-Exp's query-sparse attention takes a ring (DSA's all-gather path)
 
 
 def ernie4_5_vl_moe_config():

@@ -78,15 +78,19 @@ def test_query_tiles_match_one_tile_with_gradients(monkeypatch):
         assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_its_compression_and_top_k_act_and_a_ring_is_refused():
+def test_its_compression_and_top_k_act_and_any_sp_splits_no_heads():
     """The family suite's tiny DeepSeek-V4 (window 7, CSA every 2 tokens with the top 4, HCA every 8, crossed):
-    every compressed entry picked, or no HCA window ever closed, moves its loss far beyond the tolerance. A ring is
-    refused before any collective."""
+    every compressed entry picked, or no HCA window ever closed, moves its loss far beyond the tolerance. Its
+    attention splits no heads, so any sp runs on contiguous shards (3 with its 4 heads); a ring is refused before any
+    collective."""
     from tests.family_harness import build_model, float64_scope
 
     model = build_model("deepseek_v4", "DeepseekV4ForCausalLM", crossed=True)
-    assert validate_model_for_sp(model, 4) == (4, 1)
-    with pytest.raises(ValueError, match="DeepseekV4Attention.*Ulysses SP only.*sp_ring_size=1"):
+    assert model.config.num_attention_heads % 3
+    assert validate_model_for_sp(model, 4) == (4, 1) and validate_model_for_sp(model, 3) == (3, 1)
+    with pytest.raises(
+        ValueError, match="DeepseekV4Attention splits no heads.*any sp_size and no ring.*sp_ring_size=1"
+    ):
         validate_model_for_sp(model, 4, ring_size=2)
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(0))
 

@@ -79,6 +79,15 @@ WORLD4 = [
         **SGD,
     ),  # fmt: skip
     Case("sp4_deepseek_v4", family="deepseek_v4", attn="eager", sp_size=4, world_size=4, **SGD),
+    Case(  # 6 heads over 4 ranks: its attention splits no heads (contiguous shards, all heads of a rank's queries)
+        "sp4_deepseek_v4_6_heads",
+        family="deepseek_v4",
+        attn="eager",
+        sp_size=4,
+        world_size=4,
+        model_overrides=dict(num_attention_heads=6),
+        **SGD,
+    ),  # fmt: skip
     Case("dp2sp2_deepseek_v4", family="deepseek_v4", attn="eager", sp_size=2, world_size=4, grad_accum=2, **SGD),
 ]
 

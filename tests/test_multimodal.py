@@ -534,25 +534,16 @@ def test_vision_tower_never_runs_sp_attention() -> None:
 
 def test_only_proven_vlms_pass_the_checks() -> None:
     """Every image-text-to-text family is refused or can't build, except those this file's matrix proves exact; and
-    every VLM base model SP accepts (``model.vlm.VERIFIED``) has cases in the matrix, ring cases too unless its
-    decoder refuses a ring (``ULYSSES_ONLY``: refused before any collective)."""
+    every VLM base model SP accepts (``model.vlm.VERIFIED``) has cases in the matrix, ring cases too (every decoder
+    here takes a ring: the selecting attentions by DSA's all-gather path)."""
     from hf_sp_trainer.model.vlm import VERIFIED, vlm_base
-    from hf_sp_trainer.validate import validate_model_for_sp
-    from tests.multimodal_families_extra import ULYSSES_ONLY as EXTRA_ULYSSES_ONLY
-    from tests.multimodal_families_mrope import ULYSSES_ONLY as MROPE_ULYSSES_ONLY
     from tests.multimodal_harness import FAMILIES, classify_vlms
-
-    ulysses_only = EXTRA_ULYSSES_ONLY | MROPE_ULYSSES_ONLY
 
     rows = classify_vlms()
     accepted = {cls for _, cls, status, _ in rows if status == "exact"}  # glmga's class is GLM-4.6V's
     assert accepted == set(FAMILIES.values()), (accepted, set(FAMILIES.values()))
     ringed = {FAMILIES[c.family] for c in SP2 + SP4 if c.ring}
-    ringless = {FAMILIES[f] for f in ulysses_only}
-    assert accepted <= {FAMILIES[c.family] for c in SP2} and accepted - ringless <= ringed, (accepted, ringed)
-    for family in ulysses_only:
-        with pytest.raises(ValueError, match="runs under Ulysses SP only"):
-            validate_model_for_sp(build_vlm(family), 2, ring_size=2)
+    assert accepted <= {FAMILIES[c.family] for c in SP2} and accepted <= ringed, accepted - ringed
     bases = {type(vlm_base(build_vlm(f))).__name__ for f in FAMILIES}  # Llama-4's VLM is its own base
     assert bases == set(VERIFIED), (bases, VERIFIED)
     assert {t for t, _, s, _ in rows if s == "refused"} >= {"paligemma", "janus"}

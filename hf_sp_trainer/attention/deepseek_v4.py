@@ -24,7 +24,8 @@ forward is this module's, and nothing of the whole sequence's tokens is gathered
   visible entries.
 
 Every gather is differentiable (the gradients are reduce-scattered home). Exact as one device on each document alone;
-the indexer's top-k as DSA's (ties at the k-th place aside). A ring is refused.
+the indexer's top-k as DSA's (ties at the k-th place aside). No head is split, so any sp runs (``validate``:
+contiguous shards); a ring is refused.
 """
 
 from __future__ import annotations

@@ -83,11 +83,12 @@ SP_INDEXERS = (
 SP_BLOCK_ATTENTIONS = ("MiniMaxM3VLAttention",)
 SP_BLOCK_INDEXERS = ("MiniMaxM3VLIndexer",)
 SELECTING_ATTENTIONS = (*SP_ATTENTIONS, *SP_BLOCK_ATTENTIONS)
-# The selecting attentions exact under Ulysses only (a ring is refused): DeepSeek-V4's (a left halo, not a gather);
-# the others gather the ring group's keys (attention/dsa.ring_gather)
+# The selecting attentions under Ulysses SP, a ring gathering the ring group's keys (attention/dsa.ring_gather) ...
 RING_SELECTING = (*DSA_ATTENTIONS, "Glm5NextTextAttention", "Qwen4ExpTextAttention", "DogeAttention")
 RING_SELECTING += SP_BLOCK_ATTENTIONS
-ULYSSES_ONLY_SELECTING = tuple(a for a in SELECTING_ATTENTIONS if a not in RING_SELECTING)
+# ... and those that split no heads: every rank keeps all heads of its own queries over contiguous shards (DeepSeek-V4:
+# a left halo and gathered compressed entries, attention/deepseek_v4.py), so any sp, and no ring
+CONTEXT_PARALLEL_ATTENTIONS = ("DeepseekV4Attention",)
 # The selections' indexers: transformers runs them without autograd (their parameters never get a gradient, on one
 # device as under SP), which DDP must be told of (``trainers.base``: ``ddp_find_unused_parameters``)
 NO_GRAD_INDEXERS = (*SP_INDEXERS, *SP_BLOCK_INDEXERS, "DeepseekV4Indexer")
