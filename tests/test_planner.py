@@ -580,6 +580,34 @@ def test_cli_text_on_a_vlm_config(tmp_path):
     assert "of which the vision tower's" in out
 
 
+def test_auto_offloads_the_first_layers_past_full_checkpointings_longest():
+    """Past full checkpointing's longest length ``auto`` keeps nothing and offloads the first layers' checkpointed
+    inputs, more as rows grow, the peak within the budget up to the longest length with every layer offloaded (the
+    planner's "+ activation offload" row); none at full checkpointing's longest, none on CPU (a no-op there)."""
+    m = ModelShape.from_config(transformers.LlamaConfig(**LLAMA_8B))
+    budget = 80 * planner.GIB
+    setting = Setting(gpus=8, sp=8, zero=3, tiled_mlp=True, fused_loss=True)
+    longest, step = longest_length(m, setting, budget), planner.granularity(m, setting)
+    offloaded_longest = longest_length(m, replace(setting, offload=True), budget)
+    assert offloaded_longest > longest + 8 * step
+    assert planner.auto_kept_layers(m, setting, longest, budget).offloaded_layers == 0
+    plans = [
+        planner.auto_kept_layers(m, setting, n, budget) for n in range(longest + step, offloaded_longest + 1, step)
+    ]
+    counts = [p.offloaded_layers for p in plans]
+    assert counts == sorted(counts) and 0 < counts[0] < counts[-1] <= m.layers
+    assert all(p.kept_layers == 0 and p.peak <= budget for p in plans)
+    last = plans[-1]
+    assert last.peak == pytest.approx(estimate(m, replace(setting, offload=True), offloaded_longest).peak, rel=1e-9)
+    cpu = replace(setting, device="cpu", zero=0, gpus=1, sp=1)
+    assert planner.auto_kept_layers(m, cpu, 2 * longest_length(m, cpu, budget), budget).offloaded_layers == 0
+    cuda = ("--model", TINY, "--gpus", "2", "--gpu-memory-gib", "6", "--table-zero", "0", "--checkpointing", "auto")
+    code, out = _run_cli(*cuda, "--json")
+    longest = json.loads(out)["longest_length"]  # full checkpointing's, where auto keeps nothing
+    code, out = _run_cli(*cuda, "--length", str(longest + 16384))
+    assert longest and code == 0 and "layers offload their checkpointed inputs" in out, out
+
+
 def test_sequence_aware_auto_and_offload_are_refused_for_sparse_models():
     """What ``sequence_aware`` (and ``auto``) keeps of MoE / MLA / DSA layers, and offloading, is not counted: refused
     by name, in estimates and in ``hf-sp-plan``; the table leaves those rows out."""

@@ -219,9 +219,13 @@ def main(argv: list[str] | None = None) -> int:
     if auto is not None:
         kept = f"{auto['kept_layers']} of {auto['attention_layers']} attention layers"
         exchanges = f", {auto['kept_exchanges']} of them their all-to-all results too" if auto["kept_exchanges"] else ""
+        plan = f"{kept} keep their outputs{exchanges}"
+        if auto["offloaded_layers"]:
+            plan = f"the first {auto['offloaded_layers']} of {shape.layers} layers offload their checkpointed inputs"
         print(f"    checkpoint_policy=auto (budget {args.gpu_memory_gib:g} GiB): the breakdown is full "
-              f"checkpointing's, the first steps'; then {kept} keep their outputs{exchanges} at {length:,} tokens, "
-              f"peak {auto['peak'] / GIB:.2f} GiB (none at the longest length)")  # fmt: skip
+              f"checkpointing's, the first steps'; then {plan} at {length:,} tokens, "
+              f"peak {auto['peak'] / GIB:.2f} GiB"
+              + (" (does not fit)" if auto["peak"] > budget else " (none kept at the longest length)"))  # fmt: skip
     print(f"\n(b) longest trainable length (tokens; K = 1024; — = does not fit) on {args.gpus} x "
           f"{args.gpu_memory_gib:g} GiB, {'LoRA' if setting.lora else 'full fine-tuning'}, {setting.dtype}; "
           "columns: sp (ulysses x ring)")  # fmt: skip

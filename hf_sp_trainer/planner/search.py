@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from ..memory.keep_budget import exchange_kept_bytes, sequence_aware_kept_bytes
 from ..topology import split_sp_size
-from .memory_model import MAX_LENGTH, ModelShape, Setting, estimate
+from .memory_model import MAX_LENGTH, OFFLOAD_IN_FLIGHT, ModelShape, Setting, estimate
 from .sparse import check_setting
 
 
@@ -38,22 +38,31 @@ def longest_length(m: ModelShape, s: Setting, budget_bytes: float) -> int:
 
 class AutoKeep(NamedTuple):
     """``checkpoint_policy="auto"``'s plan for one length: layers keeping their attention outputs, those of them
-    keeping their all-to-all results too, and the predicted peak."""
+    keeping their all-to-all results too, the predicted peak, and the layers offloading their checkpointed inputs
+    (below full checkpointing, CUDA)."""
 
     kept_layers: int
     kept_exchanges: int
     peak: float
+    offloaded_layers: int = 0
 
 
 def auto_kept_layers(m: ModelShape, s: Setting, length: int, budget_bytes: float) -> AutoKeep:
     """``checkpoint_policy="auto"`` with ``checkpoint_memory_budget=budget_bytes`` at ``length``. ``s`` with full
     checkpointing is where auto starts; each kept layer adds what ``sequence_aware`` keeps in it, while the peak stays
     within the budget; once every attention layer keeps that, layers keep their all-to-all results too (Ulysses
-    only), as many as the rest holds (``memory.keep_budget``)."""
+    only), as many as the rest holds (``memory.keep_budget``). Where full checkpointing itself exceeds the budget (on
+    CUDA, without ``offload``, which offloads every layer), the first layers offload their checkpointed inputs, as
+    many as cover the excess plus the ``OFFLOAD_IN_FLIGHT`` layers being copied (the correction auto learns from its
+    measured peaks); the peak is then full checkpointing's less the offloaded checkpoints not in flight."""
     check_setting(m, s, auto=True)
     full = estimate(m, replace(s, checkpointing="full"), length)
     ulysses, ring = split_sp_size(s.sp, m.heads, s.ring)
     b = 2 if s.dtype == "bf16" else 4
+    if full.peak > budget_bytes and s.device != "cpu" and not s.offload:
+        checkpoint = m.hidden * b * full.local_tokens  # a layer's input (memory.checkpointing: offload_bytes)
+        offloaded = min(m.layers, math.ceil((full.peak - budget_bytes) / checkpoint) + OFFLOAD_IN_FLIGHT)
+        return AutoKeep(0, 0, full.peak - max(0, offloaded - OFFLOAD_IN_FLIGHT) * checkpoint, offloaded)
     per_layer = sequence_aware_kept_bytes(full.local_tokens, m.q_dim, b, ring)
     kept = 0 if per_layer <= 0 else int(max(0.0, budget_bytes - full.peak) // per_layer)
     kept = min(kept, m.attention_layers)
