@@ -323,6 +323,10 @@ TRAINER_CASES = {
     "glm5_next_sp2_ga2": ("glm5_next", 2, 2, None, False, False, False),
     "glm5_next_sp2_ring2_ga2": ("glm5_next", 2, 2, 2, False, False, False),  # the pooled selection with a ring
     "hy_v4_vl_sp2_ga2": ("hy_v4_vl", 2, 2, None, False, False, False),
+    # the frontier VLMs at sp 4 with a ring (Ulysses 2 x ring 2: their selections' all-gather path)
+    "hy_v4_vl_sp4_ring2_ga2": ("hy_v4_vl", 4, 4, 2, False, False, False),
+    "minimax_m3_vl_router_loss_sp4_ring2_ga2": ("minimax_m3_vl", 4, 4, 2, False, False, True),
+    "qwen4_exp_sp4_ring2_ga2": ("qwen4_exp", 4, 4, 2, False, False, False),  # QSA, Gated DeltaNet, PLE n-grams
 }
 
 
