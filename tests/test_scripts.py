@@ -134,10 +134,13 @@ def test_bench_hybrid_smoke(smokes):
 @pytest.mark.launches("bench_dsa")
 def test_bench_dsa_smoke(smokes):
     """scripts/bench_dsa.py --smoke: the DSA bytes table for the real shapes, and the bytes counted in a one-layer
-    tiny DeepSeek-V3.2 step on 2 CPU processes equal to the formulas (all-to-alls, indexer keys, selections)."""
+    tiny DeepSeek-V3.2 step on 2 CPU processes equal to the formulas (all-to-alls, indexer keys, selections), at
+    Ulysses 2 and at ring 2 (the all-gather path's K/V instead of the all-to-alls)."""
     _, out = smokes.result("bench_dsa")
-    (check,) = json.loads((out / "dsa_counted.json").read_text())["rows"]
-    assert check["counted"] == check["formula"] and min(check["counted"].values()) > 0
+    ulysses, ring = json.loads((out / "dsa_counted.json").read_text())["rows"]
+    for check in (ulysses, ring):
+        assert check["counted"] == check["formula"] and min(check["counted"].values()) > 0, check
+    assert "all_to_all" in ulysses["counted"] and set(ring["counted"]) == {"ring_kv", "index_keys", "selections"}
     rows = json.loads((out / "dsa_bytes.json").read_text())["rows"]
     assert {r["model"] for r in rows} == {"deepseek_v32", "glm_moe_dsa", "axk2"} and all(
         r["dsa_over_a2a"] > 1 for r in rows
