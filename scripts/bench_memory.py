@@ -10,6 +10,7 @@ freed memory), CUDA peak = ``max_memory_allocated``. Feature combinations are ``
     python scripts/bench_memory.py --model 100m --lengths --search plain@1 everything@1 everything@2 --cap-gib 8
     python scripts/bench_memory.py --device cuda --model llama3-8b --sp 8 --lengths 32768 131072 --attn sdpa
     python scripts/bench_memory.py --model dsv32-small --sp 2 --lengths 2048 8192 --combos plain ckpt_full
+    python scripts/bench_memory.py --model dsv32-small --sp 2 --ring 2 --lengths 2048 8192 --combos plain ckpt_full
 
 ``--search [MODEL:]COMBO@SP`` finds the longest length under ``--cap-gib`` per process: doubling from
 ``--search-start``, then ``--bisect`` halvings of the interval. A length whose peak (extrapolated linearly from the
@@ -165,7 +166,8 @@ def measure(opts, model_name: str, sp: int, combo: str, length: int, out_dir: st
         features["checkpoint_memory_budget"] = (opts.auto_budget_gib or opts.cap_gib) * 2**30
     long_steps = max(opts.long_steps, 1 + (KeepBudget.WARMUP_STEPS if auto else 0))
     args = TrainingArguments(
-        output_dir=out_dir, sp_size=sp, max_steps=1 + long_steps, per_device_train_batch_size=1, optim="adamw_torch",
+        output_dir=out_dir, sp_size=sp, sp_ring_size=opts.ring if sp > 1 else None, max_steps=1 + long_steps,
+        per_device_train_batch_size=1, optim="adamw_torch",
         learning_rate=1e-5, save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=10,
         use_cpu=not cuda, bf16=cuda, ddp_backend=("nccl" if cuda else "gloo") if sp > 1 else None,
         dataloader_num_workers=0, remove_unused_columns=False, sp_throughput_logging=False, **features,
@@ -174,6 +176,8 @@ def measure(opts, model_name: str, sp: int, combo: str, length: int, out_dir: st
     rows = [_row(min(256 * sp, length), opts.doc_len, config.vocab_size, generator)]
     rows += [_row(length, opts.doc_len, config.vocab_size, generator)] * long_steps
     record = {"model": model_name, "sp": sp, "combo": combo, "length": length, "doc_len": opts.doc_len or length}
+    if opts.ring and sp > 1:
+        record["ring"] = opts.ring
     trainer = Trainer(
         model=model, args=args, train_dataset=rows, data_collator=SPDataCollator(),
         callbacks=[_step_callback(opts.device, len(rows) - 1, record)],
@@ -344,6 +348,7 @@ def main() -> None:
     models = ["tiny", "100m", "llama3-8b", "qwen35-tiny", "dsv3-small", "dsv32-small", "mixtral-small"]
     parser.add_argument("--model", nargs="+", default=["tiny", "100m"], choices=models)
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--ring", type=int, default=None, help="sp_ring_size at sp > 1 (default: from the heads)")
     parser.add_argument("--combos", nargs="+", default=list(COMBOS), choices=list(COMBOS))
     parser.add_argument("--lengths", nargs="*", default=["4096", "8192", "16384"], help="N, or MODEL:N for one model")
     parser.add_argument("--doc-len", type=int, default=0, help="documents per row of this many tokens (0: one)")

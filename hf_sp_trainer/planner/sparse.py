@@ -17,7 +17,9 @@ Activations (``layer_activations``), per local token, ``b`` bytes per activation
   of ``kv_a``'s whole output in fp32), q and k (``H (nope + rope)`` each) and v (``H v_head_dim``) as the kernel
   keeps them (Ulysses: the all-to-all's outputs; ``H / ulysses`` heads of the whole sequence, per local token the
   same), the kernel's output and ``o_proj``'s input (``H v_head_dim`` each); ``kv_b_proj``'s per-head k/v
-  expansion is not kept past the all-to-all (at sp 1 the kernel keeps its v slice, so all of it).
+  expansion is not kept past the all-to-all (at sp 1 the kernel keeps its v slice, so all of it). DSA with a ring
+  keeps the ring group's K/V gathered instead of its own (``ring x`` the k and v per local token; measured on
+  ``dsv32-small`` at sp 2 = ring 2: half that extra shows in the peak, so an upper figure).
 * MoE (transformers' default ``grouped_mm`` experts, also on CPU): per routed pair (``top_k`` per token) the sorted
   input copy, the ``gate_up`` output (``2 I``), ``act(gate)``, ``act(gate) * up`` and the down projection's output
   (before its routing weight); the router's fp32 scores (``E``), the shared experts as a dense MLP.
@@ -32,10 +34,10 @@ Activations (``layer_activations``), per local token, ``b`` bytes per activation
 With checkpointing (full) a layer keeps its input; its backward recomputes everything above at once (the indexer's
 transient with what precedes it in the layer). Checked against ``scripts/bench_memory.py`` CPU runs (fp32, sp 1 and 2,
 plain and checkpointed; ``docs/benchmarks/dsa_memory``). Not validated: bf16 / GPUs (the kernels' temporaries differ),
-the tiled MLP (it tiles dense MLPs only, so MoE layers are counted untiled), ``sequence_aware`` and offloading, a ring
-with DSA (refused: its all-gather path keeps the ring group's K/V, not counted). Assumed: a memory-efficient kernel
-for unequal q/k and v head sizes (CPU sdpa at sp 1 has none: its math path keeps ``[H, s, s]``; the bench models use
-equal sizes). LoRA is refused (``lora_params``).
+the tiled MLP (it tiles dense MLPs only, so MoE layers are counted untiled), ``sequence_aware`` and offloading, a
+ring beside Ulysses (measured: ring alone, sp 2). Assumed: a memory-efficient kernel for unequal q/k and v head
+sizes (CPU sdpa at sp 1 has none: its math path keeps ``[H, s, s]``; the bench models use equal sizes). LoRA is
+refused (``lora_params``).
 """
 
 from __future__ import annotations
@@ -188,7 +190,7 @@ class SparseShape:
         )
 
     # -- activations -----------------------------------------------------------------------------------------------
-    def attention_per_token(self, m: ModelShape, b: int, ulysses: int, sp: int) -> float:
+    def attention_per_token(self, m: ModelShape, b: int, ulysses: int, sp: int, ring: int = 1) -> float:
         """Bytes one attention block keeps per local token (the module docstring)."""
         heads = m.heads
         if not self.kv_lora:
@@ -198,7 +200,8 @@ class SparseShape:
         kv_a = (self.kv_lora + self.qk_rope * (b == 4)) * 4 + self.kv_lora * (4 + b)
         v = heads * (self.qk_nope + self.v_dim) if sp == 1 else heads * self.v_dim  # sp 1: kv_b's output via v
         dsa = self.dsa_layers > 0 and sp > 1  # SP's tiles: the kernel's output not kept
-        return q_a + kv_a + (2 * heads * self.qk_dim + v + heads * self.v_dim * (1 if dsa else 2)) * b
+        k_v = (heads * self.qk_dim + v) * (ring if dsa else 1)  # a ring: the ring group's K/V, gathered
+        return q_a + kv_a + (heads * self.qk_dim + k_v + heads * self.v_dim * (1 if dsa else 2)) * b
 
     def mlp_per_token(self, m: ModelShape, b: int, moe: bool, tiled: bool) -> float:
         from .memory_model import MLP_SAVED
@@ -230,7 +233,9 @@ def dsa_fixed(sparse: SparseShape, tokens: int, sp: int) -> float:
     return float(tokens * tokens) if sparse.dsa_layers and sp == 1 else 0.0
 
 
-def layer_activations(m: ModelShape, s: Setting, ulysses: int, tokens: int, moe: bool) -> dict[str, float]:
+def layer_activations(
+    m: ModelShape, s: Setting, ulysses: int, tokens: int, moe: bool, ring: int = 1
+) -> dict[str, float]:
     """``memory_model._layer_activations`` for an MLA / MoE / DSA decoder layer: what it saves, what a checkpoint
     keeps, and what its backward (with recomputation) needs at once."""
     from .memory_model import MLP_GRAD, MLP_SAVED
@@ -241,7 +246,7 @@ def layer_activations(m: ModelShape, s: Setting, ulysses: int, tokens: int, moe:
     h = m.hidden
     norms = 2 * h * (8 + b)
     dsa = sparse.dsa_layers > 0
-    attn_tokens = sparse.attention_per_token(m, b, ulysses, s.sp) * tokens
+    attn_tokens = sparse.attention_per_token(m, b, ulysses, s.sp, ring) * tokens
     attn = attn_tokens + (sparse.dsa_saved(tokens, s.sp, b) if dsa else 0)
     tiled = s.tiled_mlp and not moe  # the tiled MLP tiles dense MLPs only
     mlp = sparse.mlp_per_token(m, b, moe, tiled) * tokens
@@ -284,11 +289,5 @@ def sparse_kinds(m: ModelShape, s: Setting, ulysses: int, ring: int, tokens: int
     sparse = m.sparse
     assert sparse is not None
     check_setting(m, s)
-    if sparse.dsa_layers and ring > 1:
-        raise ValueError(
-            "DeepSeek sparse attention with a ring (it gathers the ring group's K/V) is not counted by the memory "
-            "model (not measured): plan an sp dividing the heads (Ulysses alone), or measure with "
-            "scripts/bench_memory.py."
-        )
     kinds = [(m.layers - sparse.moe_layers, False), (sparse.moe_layers, True)]
-    return [(n, layer_activations(m, s, ulysses, tokens, moe)) for n, moe in kinds if n]
+    return [(n, layer_activations(m, s, ulysses, tokens, moe, ring)) for n, moe in kinds if n]
