@@ -91,6 +91,13 @@ MIXTRAL_SMALL = dict(  # Mixtral's layout at a small size: grouped-query attenti
 )  # fmt: skip
 
 
+QWEN3_MOE_SMALL = dict(  # Qwen3-MoE's layout at a small size: GQA with q / k norms, a dense first layer, then MoE
+    vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=4,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=32, num_experts=8, num_experts_per_tok=2,
+    decoder_sparse_step=1, mlp_only_layers=[0],
+)  # fmt: skip
+
+
 def model_config(name: str, max_len: int):
     import transformers
 
@@ -105,6 +112,8 @@ def model_config(name: str, max_len: int):
         config = transformers.DeepseekV32Config(**DSV32_SMALL)
     elif name == "mixtral-small":  # routed experts behind grouped-query attention
         config = transformers.MixtralConfig(**MIXTRAL_SMALL)
+    elif name == "qwen3moe-small":  # routed experts behind grouped-query attention with q / k norms, a dense layer
+        config = transformers.Qwen3MoeConfig(**QWEN3_MOE_SMALL)
     else:
         config = transformers.LlamaConfig(**{"100m": LLAMA_100M, "llama3-8b": LLAMA3_8B}[name])
     config.max_position_embeddings = max(max_len, config.max_position_embeddings)
@@ -345,7 +354,16 @@ def save_results(opts, rows: list[dict], searches: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    models = ["tiny", "100m", "llama3-8b", "qwen35-tiny", "dsv3-small", "dsv32-small", "mixtral-small"]
+    models = [
+        "tiny",
+        "100m",
+        "llama3-8b",
+        "qwen35-tiny",
+        "dsv3-small",
+        "dsv32-small",
+        "mixtral-small",
+        "qwen3moe-small",
+    ]
     parser.add_argument("--model", nargs="+", default=["tiny", "100m"], choices=models)
     parser.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--ring", type=int, default=None, help="sp_ring_size at sp > 1 (default: from the heads)")

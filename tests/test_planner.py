@@ -312,34 +312,22 @@ def test_unmodeled_hybrid_layers_are_refused(model_type):
 @pytest.mark.parametrize(
     "config, part",
     [
-        (transformers.Qwen3MoeConfig(), r"routed experts \(num_local_experts=128\)"),
         (transformers.PhimoeConfig(), r"routed experts \(num_local_experts=16\)"),
         (transformers.DeepseekV2Config(), r"routed experts \(n_routed_experts=64\) and multi-head latent attention"),
         (transformers.Glm4MoeLiteConfig(), "routed experts .* and multi-head latent attention"),
     ],
-    ids=["qwen3_moe", "phimoe", "deepseek_v2", "glm4_moe_lite"],
+    ids=["phimoe", "deepseek_v2", "glm4_moe_lite"],
 )
 def test_experts_and_latent_attention_are_refused(config, part):
     """Routed experts and multi-head latent attention outside the measured families (``planner.sparse.MODELED``:
-    DeepSeek-V3, V3.2, GLM-5, Mixtral) have no validated count: refused by name, never estimated as dense layers."""
+    DeepSeek-V3, V3.2, GLM-5, Mixtral, Qwen3-MoE) have no validated count: refused by name, never estimated as dense
+    layers."""
     with pytest.raises(ValueError, match=f"no count for its {part}"):
         ModelShape.from_config(config)
 
 
 # -- routed experts, latent attention, DeepSeek sparse attention (planner.sparse) --------------------------------------
 DSA_MEASUREMENTS = os.path.join(ROOT, "docs", "benchmarks", "dsa_memory", "memory.json")
-
-
-def _as_counted(config) -> ModelShape:
-    """A Qwen3-MoE config's shape with its experts counted (``from_config`` refuses it: not measured)."""
-    from hf_sp_trainer.planner.sparse import SparseShape
-
-    dense = transformers.LlamaConfig(
-        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
-        num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads, head_dim=getattr(config, "head_dim", None),
-    )  # fmt: skip
-    return replace(ModelShape.from_config(dense), sparse=SparseShape.from_config(config))
 
 
 QWEN3_MOE_TINY = dict(  # MoE every second layer but the last (decoder_sparse_step, mlp_only_layers); q / k norms
@@ -374,7 +362,7 @@ def test_sparse_parameter_count_matches_the_model(name):
     """MLA (with / without q_lora_rank, biases), MoE after dense layers (first_k_dense_replace, mlp_layer_types), DSA
     indexers (GLM-5's shared layers have none), Mixtral / Qwen3-MoE experts: exactly what transformers builds."""
     config = _sparse_configs()[name]
-    m = _as_counted(config) if config.model_type == "qwen3_moe" else ModelShape.from_config(config)
+    m = ModelShape.from_config(config)
     assert m.sparse is not None and m.params == _meta_params(config)
     if name == "glm5-shared-indexers":
         assert (m.sparse.indexers, m.sparse.dsa_layers) == (3, 5)
@@ -417,15 +405,16 @@ def test_dsa_selection_grows_with_sp():
 
 
 def test_sparse_measurements_within_tolerance():
-    """scripts/bench_memory.py on the DeepSeek-V3-shaped (MLA + MoE), V3.2-shaped (+ DSA) and Mixtral-shaped (MoE behind
-    grouped-query attention) small models, sp 1 and 2 (the V3.2 one with a ring of 2 too at sp 2 and 4: DSA's
-    all-gather path),
-    plain and checkpointed: the whole peak and the step's own memory, as for the dense rows."""
+    """scripts/bench_memory.py on the DeepSeek-V3-shaped (MLA + MoE), V3.2-shaped (+ DSA), Mixtral- and
+    Qwen3-MoE-shaped (MoE behind grouped-query attention; q / k norms, a dense layer) small models, sp 1 and 2 (the
+    V3.2 one with a ring of 2 too at sp 2 and 4: DSA's all-gather path), plain and checkpointed: the whole peak and
+    the step's own memory, as for the dense rows."""
     with open(DSA_MEASUREMENTS) as f:
         rows = json.load(f)["rows"]
     bm = bench_memory()
     shapes = {name: ModelShape.from_config(bm.model_config(name, 1024), name) for name in {r["model"] for r in rows}}
-    assert set(shapes) == {"dsv3-small", "dsv32-small", "mixtral-small"} and {r["sp"] for r in rows} == {1, 2, 4}
+    assert set(shapes) == {"dsv3-small", "dsv32-small", "mixtral-small", "qwen3moe-small"}
+    assert {r["sp"] for r in rows} == {1, 2, 4}
     assert len(rows) >= 30 and any(r.get("ring") == 2 for r in rows)
     assert_within_tolerance(rows, lambda row: shapes[row["model"]])
 

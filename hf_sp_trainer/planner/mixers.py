@@ -44,7 +44,7 @@ LATENT_FIELDS = ("kv_lora_rank",)
 def unmodeled_parts(text) -> list[str]:
     """The parts of a text config the memory model would silently count as a dense Llama-style layer: routed
     experts (``EXPERT_FIELDS``) and multi-head latent attention (``LATENT_FIELDS``), but in the families
-    ``sparse.MODELED`` models (DeepSeek-V3, DeepSeek-V3.2, GLM-5, Mixtral)."""
+    ``sparse.MODELED`` models (DeepSeek-V3, DeepSeek-V3.2, GLM-5, Mixtral, Qwen3-MoE)."""
     if getattr(text, "model_type", "") in SPARSE_MODELED:
         return []
     parts = [f"routed experts ({f}={getattr(text, f)})" for f in EXPERT_FIELDS if getattr(text, f, None)][:1]
@@ -66,7 +66,7 @@ def check_modeled_layers(text, name: str) -> None:
         raise ValueError(
             f"{name}: the memory model has no count for its {' and '.join(parts)}: it models dense Llama-style MLPs "
             "and multi-head / grouped-query attention (and, measured, the experts and latent attention of DeepSeek-V3 "
-            "/ V3.2, GLM-5 and Mixtral), and would count these as such (wrong weights, optimizer states and "
+            "/ V3.2, GLM-5, Mixtral and Qwen3-MoE), and would count these as such (wrong weights, optimizer states and "
             "activations). Measure such a model with scripts/bench_memory.py."
         )
 

@@ -1,9 +1,10 @@
 """Routed experts (MoE), multi-head latent attention (MLA) and DeepSeek sparse attention (DSA) for the memory model
 (``planner``): their parameters, and what one decoder layer saves per local token under Ulysses SP.
 
-Modeled families (``MODELED``): DeepSeek-V3 (MLA + MoE), DeepSeek-V3.2 and GLM-5 (``glm_moe_dsa``: + DSA) and Mixtral
-(MoE behind grouped-query attention), counted as transformers 5.24 builds them (``tests/test_planner.py`` checks the
-counts on real models, Qwen3-MoE's too, which stays refused: its activations are not measured). Parameters: MLA's
+Modeled families (``MODELED``): DeepSeek-V3 (MLA + MoE), DeepSeek-V3.2 and GLM-5 (``glm_moe_dsa``: + DSA), Mixtral and
+Qwen3-MoE (MoE behind grouped-query attention; Qwen3-MoE's q / k norms, dense layers by ``mlp_only_layers`` /
+``decoder_sparse_step``), counted as transformers 5.24 builds them (``tests/test_planner.py`` checks the counts on
+real models). Parameters: MLA's
 ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj`` (or ``q_proj`` without ``q_lora_rank``), ``kv_a_proj_with_mqa``,
 ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj``; a DSA indexer's ``wq_b``, ``wk``, ``k_norm`` (LayerNorm) and
 ``weights_proj`` (GLM-5's ``"shared"`` layers have none); an MoE MLP's router (``[E, h]``; its score-correction
@@ -51,8 +52,8 @@ from ..attention.dsa import SCORE_BYTES
 if TYPE_CHECKING:
     from .memory_model import ModelShape, Setting
 
-MODELED = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "mixtral")  # measured: docs/benchmarks/dsa_memory
-COUNTED = (*MODELED, "qwen3_moe")  # parameters counted (checked on real models); Qwen3-MoE's activations not measured
+MODELED = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "mixtral", "qwen3_moe")  # measured: docs/benchmarks/dsa_memory
+COUNTED = MODELED  # parameters counted (checked on real models)
 EXPERT_SAVED = 4  # per routed pair, x I: gate_up's output (2 I), act(gate), act(gate) * up
 INDEX_COPIES = 3  # indexer score tiles alive at once: the product, its scaled copy and that copy's relu
 # SP's selected_attention: one query tile's masks and kernel temporaries (its recomputation and backward included),
