@@ -303,3 +303,19 @@ def test_pooled_checks_pass_and_catch_what_they_guard(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(checks, "glm5_next_attention_forward", lambda *a, **k: (*forward(*a, **k)[:2], None))
         assert not attention_ok(attention, attention.forward)
+
+
+def test_every_selecting_attention_takes_a_ring_or_splits_no_heads():
+    """Each selecting attention either takes a ring (its selection over zigzag shards: every selection function takes
+    the ``sharding``; its K/V by ``ring_gather``) or splits no heads (DeepSeek-V4: contiguous shards, any sp)."""
+    import inspect
+
+    from hf_sp_trainer.attention.block_sparse import sp_block_topk
+    from hf_sp_trainer.attention.pooled_dsa import sp_pooled_topk
+    from hf_sp_trainer.attention.qsa import sp_qsa_select
+    from hf_sp_trainer.model import mixers
+
+    assert set(mixers.SELECTING_ATTENTIONS) == {*mixers.RING_SELECTING, *mixers.CONTEXT_PARALLEL_ATTENTIONS}
+    assert not set(mixers.RING_SELECTING) & set(mixers.CONTEXT_PARALLEL_ATTENTIONS)
+    for select in (sp_index_topk, sp_pooled_topk, sp_qsa_select, sp_block_topk):
+        assert inspect.signature(select).parameters["sharding"].default is None, select.__name__
