@@ -174,8 +174,9 @@ def measure(opts, model_name: str, sp: int, combo: str, length: int, out_dir: st
     if auto:  # its first steps run as full checkpointing and measure: the measured step is the one after them
         features["checkpoint_memory_budget"] = (opts.auto_budget_gib or opts.cap_gib) * 2**30
     long_steps = max(opts.long_steps, 1 + (KeepBudget.WARMUP_STEPS if auto else 0))
+    ring = getattr(opts, "ring", None) if sp > 1 else None  # callers' options may predate --ring
     args = TrainingArguments(
-        output_dir=out_dir, sp_size=sp, sp_ring_size=opts.ring if sp > 1 else None, max_steps=1 + long_steps,
+        output_dir=out_dir, sp_size=sp, sp_ring_size=ring, max_steps=1 + long_steps,
         per_device_train_batch_size=1, optim="adamw_torch",
         learning_rate=1e-5, save_strategy="no", report_to="none", disable_tqdm=True, logging_steps=10,
         use_cpu=not cuda, bf16=cuda, ddp_backend=("nccl" if cuda else "gloo") if sp > 1 else None,
@@ -185,8 +186,8 @@ def measure(opts, model_name: str, sp: int, combo: str, length: int, out_dir: st
     rows = [_row(min(256 * sp, length), opts.doc_len, config.vocab_size, generator)]
     rows += [_row(length, opts.doc_len, config.vocab_size, generator)] * long_steps
     record = {"model": model_name, "sp": sp, "combo": combo, "length": length, "doc_len": opts.doc_len or length}
-    if opts.ring and sp > 1:
-        record["ring"] = opts.ring
+    if ring:
+        record["ring"] = ring
     trainer = Trainer(
         model=model, args=args, train_dataset=rows, data_collator=SPDataCollator(),
         callbacks=[_step_callback(opts.device, len(rows) - 1, record)],
