@@ -61,13 +61,26 @@ def available_mb() -> float:
     raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
+def machine() -> dict:
+    """What a measurement ran on: the CPU model and core count, torch's version and CPU capability (memory figures
+    moved between two hosts once: ``docs/benchmarks/dsa_memory``), for every table's metadata."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "")()
+    return {"cpu": model, "cores": os.cpu_count(), "torch": torch.__version__, "cpu_capability": capability}
+
+
 def write_table(out_dir: str, stem: str, rows: list[dict], meta: dict) -> None:
-    """``stem.csv`` (the rows) and ``stem.json`` (``meta`` plus the rows) in ``out_dir``."""
+    """``stem.csv`` (the rows) and ``stem.json`` (``meta``, the ``machine()``, and the rows) in ``out_dir``."""
     import csv
     import json
 
     with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
-        json.dump({**meta, "rows": rows}, f, indent=1)
+        json.dump({**meta, "machine": machine(), "rows": rows}, f, indent=1)
     if not rows:
         return
     keys = list(dict.fromkeys(k for row in rows for k in row))
