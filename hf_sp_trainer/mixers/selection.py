@@ -223,10 +223,10 @@ def block_indexer_entry(original: Callable) -> Callable:
     return forward
 
 
-def qsa_attention_entry(original: Callable) -> Callable:
-    """Qwen4-Exp's sparse attention (``Qwen4ExpTextAttention``): under SP it selects first (``attention.qsa``), then
-    runs its installed forward with a one-element mask (its swapped indexer returns one) and the selection as
-    ``indices=`` for SP's attention; transformers' own otherwise."""
+def installed_outside_sp(original: Callable, sp_forward: Callable) -> Callable:
+    """An attention entry with the ``(hidden_states, position_embeddings, attention_mask, cache, **kwargs)`` forward:
+    ``sp_forward(self, sp, hidden_states, position_embeddings, cache, kwargs)`` under SP (``sp``: ``selection_sp``'s
+    bounds and topology), the installed forward otherwise."""
 
     @functools.wraps(original)
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
@@ -236,6 +236,17 @@ def qsa_attention_entry(original: Callable) -> Callable:
                 self, hidden_states=hidden_states, position_embeddings=position_embeddings,
                 attention_mask=attention_mask, cache=cache, **kwargs,
             )  # fmt: skip
+        return sp_forward(self, sp, hidden_states, position_embeddings, cache, kwargs)
+
+    return forward
+
+
+def qsa_attention_entry(original: Callable) -> Callable:
+    """Qwen4-Exp's sparse attention (``Qwen4ExpTextAttention``): under SP it selects first (``attention.qsa``), then
+    runs its installed forward with a one-element mask (its swapped indexer returns one) and the selection as
+    ``indices=`` for SP's attention; transformers' own otherwise."""
+
+    def sp_forward(self, sp, hidden_states, position_embeddings, cache, kwargs):
         refuse_cache_and_dropout(self, cache)
         (bounds, topology), indexer = sp, self.indexer
         with torch.no_grad():
@@ -251,7 +262,7 @@ def qsa_attention_entry(original: Callable) -> Callable:
             attention_mask=one, cache=None, **kwargs, **{INDICES_KWARG: picks},
         )  # fmt: skip
 
-    return forward
+    return installed_outside_sp(original, sp_forward)
 
 
 def qsa_indexer_entry(original: Callable) -> Callable:
@@ -297,14 +308,7 @@ def doge_attention_entry(original: Callable) -> Callable:
     top-k over each document's visible keys, where transformers builds it over its row's mask); transformers' own
     otherwise."""
 
-    @functools.wraps(original)
-    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None, **kwargs):
-        sp = selection_sp(kwargs, type(self).__name__)
-        if sp is None:
-            return original(
-                self, hidden_states=hidden_states, position_embeddings=position_embeddings,
-                attention_mask=attention_mask, cache=cache, **kwargs,
-            )  # fmt: skip
+    def sp_forward(self, sp, hidden_states, position_embeddings, cache, kwargs):
         refuse_cache_and_dropout(self, cache, dropout=True)
         bounds, topology = sp
         ring = None
@@ -314,4 +318,4 @@ def doge_attention_entry(original: Callable) -> Callable:
         out = doge_attention_forward(self, hidden_states, position_embeddings, bounds, topology.ulysses_group, ring)
         return out, None
 
-    return forward
+    return installed_outside_sp(original, sp_forward)

@@ -97,8 +97,9 @@ class MediaFeatures:
         if input_ids is None:
             raise ValueError(f"{self.name} under SP with media needs input_ids (the placeholders), not inputs_embeds.")
         group = self.topology.sp_group
-        local, full = self._placeholders(input_ids, media)  # [m, b, s/P], [m, b, s]: every rank, the same full
+        full = self._placeholders(input_ids, media)  # [m, b, s]: every rank, the same values
         positions = self.sharding.positions(full.shape[-1], self.topology.sp_rank).to(full.device)
+        local = full[..., positions]  # [m, b, s/P]: this rank's shard
         outputs = dict(kwargs.get("mm_encoder_outputs") or {})
         self.exchanged = 0
         trainable = torch.is_grad_enabled() and any(p.requires_grad for p in self._encoder_params)
@@ -136,21 +137,19 @@ class MediaFeatures:
         kwargs["mm_encoder_outputs"] = outputs
         return args, kwargs
 
-    def _placeholders(self, input_ids: torch.Tensor, media: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(local [m, b, s/P], full [m, b, s])`` int32: each modality's placeholder tokens on this rank's shard and
-        on the whole sequence (one all-gather). GLM-5-Next's video frames are image tokens inside video start / end
-        spans: told apart on the whole sequence, where every span is whole."""
+    def _placeholders(self, input_ids: torch.Tensor, media: list[str]) -> torch.Tensor:
+        """``[m, b, s]`` int32: each modality's placeholder tokens on the whole sequence (one all-gather of the
+        shard's marks). GLM-5-Next's video frames are image tokens inside video start / end spans: told apart on the
+        whole sequence, where every span is whole."""
         group = self.topology.sp_group
         if self.video_spans is None:
             local = torch.stack([input_ids == self.token_ids[m] for m in media]).to(torch.int32)
-            return local, self.sharding.unshard(all_gather_along(local, 2, group), 2)
+            return self.sharding.unshard(all_gather_along(local, 2, group), 2)
         start, end = self.video_spans
         marks = torch.stack([input_ids == t for t in (self.token_ids["image"], start, end)]).to(torch.int32)
         placeholder, starts, ends = self.sharding.unshard(all_gather_along(marks, 2, group), 2)
         in_video = starts.cumsum(-1) > ends.cumsum(-1)
-        full = torch.stack([placeholder * (in_video if m == "video" else ~in_video) for m in media]).to(torch.int32)
-        positions = self.sharding.positions(full.shape[-1], self.topology.sp_rank).to(full.device)
-        return full[..., positions], full
+        return torch.stack([placeholder * (in_video if m == "video" else ~in_video) for m in media]).to(torch.int32)
 
 
 def merge_own_rows(base: torch.nn.Module, kwargs: dict, media: list[str], local: torch.Tensor, outputs: dict) -> dict:
