@@ -27,6 +27,9 @@ Llama-3.1-8B-shaped 4-layer stack at 64K tokens: peak, step time and kept layers
 i_varlen: one Gated DeltaNet layer (Qwen3.5's shape, bf16) of SP's delta rule on a 32K row of 1, 16 and 128 documents,
 FLA's kernel once per document segment vs once per list (``cu_seqlens``): time, kernel calls, difference
 (``bench_varlen.py``).
+j_dsa_kernel: DSA's selected-keys attention (16 heads of MLA head dims, bf16, top-2048) on the dense masked kernel vs
+the gathered one at 32K-128K tokens: time, peak and difference (``bench_dsa_kernel.py``), to place
+``gathered_keys.GATHER_ABOVE`` on a GPU (measured on CPU only).
 
 Each check runs in its own process (default on CUDA), killed at the global budget: a crash, hang or broken CUDA
 context is recorded and the next check still runs; one that doesn't fit the time left is skipped with a note. The
@@ -70,6 +73,7 @@ MIN_SECONDS = {
     "g_length": 30,
     "h_auto": 60,
     "i_varlen": 60,
+    "j_dsa_kernel": 60,
 }  # don't start with less
 TOL = {torch.float32: 2e-4, torch.bfloat16: 3e-2}  # on max_rel
 NEEDS_HALF, NO_FLASH = "needs CUDA and fp16/bf16", "flash-attn not installed"
@@ -449,6 +453,23 @@ def check_varlen(ctx: Ctx) -> dict:
     return result | {"autotune_configs_kept": kept}
 
 
+def check_dsa_kernel(ctx: Ctx) -> dict:
+    """``bench_dsa_kernel.compare`` over the length while time is left (CPU dry run: tiny, fp32)."""
+    from bench_dsa_kernel import compare
+
+    measure = ctx.measure
+    if ctx.dry:
+        return {"rows": [compare(256, 32, 2, ctx.device, torch.float32, 1, measure)]}
+    compare(1024, 64, 16, ctx.device, torch.bfloat16, 1, measure)  # warm-up, not recorded
+    rows = []
+    for seq in (32768, 65536, 131072):
+        start = time.time()
+        rows.append(compare(seq, 2048, 16, ctx.device, torch.bfloat16, 2, measure))
+        if ctx.left() < 5 * (time.time() - start):  # the next length takes ~4x as long (dense)
+            break
+    return {"rows": rows}
+
+
 # -- running the checks --------------------------------------------------------------------------------------------
 def run_check(name: str, ctx: Ctx, lengths: list[int]) -> dict:
     start = time.time()
@@ -457,7 +478,8 @@ def run_check(name: str, ctx: Ctx, lengths: list[int]) -> dict:
               "e_hybrid": lambda c: hybrid_checks(c.device, c.dry),
               "f_vlm": lambda c: vlm_checks(c.device, c.dry),
               "g_length": lambda c: length_checks(c.device, c.dry),
-              "h_auto": lambda c: auto_checks(c, small_llama), "i_varlen": check_varlen}  # fmt: skip
+              "h_auto": lambda c: auto_checks(c, small_llama), "i_varlen": check_varlen,
+              "j_dsa_kernel": check_dsa_kernel}  # fmt: skip
     try:
         rec = {"status": "ok", "result": checks[name](ctx)}
     except Exception as exc:  # noqa: BLE001 - one failing check must not stop the others

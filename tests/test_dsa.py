@@ -260,6 +260,90 @@ def test_mistral_large4_takes_a_ring_and_its_top_k_acts():
     assert abs(dense / sparse - 1) > 10 * EXACT
 
 
+KERNEL_CASES = {  # name: (kv heads, sinks, a ring portion of the queries, dtype)
+    "plain": (2, False, False, torch.float32),
+    "gqa_sinks": (1, True, False, torch.float32),
+    "ring_portion": (2, True, True, torch.float32),
+    "float64": (1, False, True, torch.float64),
+}
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=str)
+def test_gathered_kernel_equals_the_dense_one_with_gradients(case, monkeypatch):
+    """DSA's sparse kernel (``gathered_keys``: each query's picks gathered, ``O(n k)``) against the dense masked one
+    (every key scored), in tiles of 1-2 queries: the same output and q / k / v / sinks gradients, with picks that
+    are ``-1`` pads, repeated, in another document or in the query's future (all dropped), GQA, sinks and a ring
+    rank's portion of the queries (``GATHER_ABOVE`` set for each kernel in turn)."""
+    from hf_sp_trainer.attention import gathered_keys
+
+    kv, with_sinks, portion, dtype = KERNEL_CASES[case]
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 20, 8, generator=gen, dtype=dtype)
+    k, v = torch.randn(2, kv, 20, 8, generator=gen, dtype=dtype), torch.randn(2, kv, 20, 6, generator=gen, dtype=dtype)
+    indices = torch.randint(-1, 20, (2, 20, 6), generator=gen, dtype=torch.int32)
+    indices[..., 0] = torch.arange(20)  # every query keeps itself
+    indices[..., 1] = indices[..., 2]  # and repeats a pick
+    bounds, sinks = torch.tensor([0, 7, 20, 31, 40]), torch.tensor([0.5, 2.0, -1.0, 0.0], dtype=dtype)
+    queries = torch.tensor([0, 1, 2, 3, 16, 17, 18, 19]) if portion else None
+    probe = torch.randn(2, 20, 4, 6, generator=gen, dtype=dtype)[:, queries if portion else slice(None)]
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+        mine = leaves[0][:, :, queries] if portion else leaves[0]
+        out = selected_attention(mine, *leaves[1:3], indices, bounds, 0.3, sinks=leaves[3] if with_sinks else None,
+                                 queries=queries)  # fmt: skip
+        (out * probe).sum().backward()
+        return [out.detach()] + [t.grad for t in leaves]
+
+    calls = []
+    monkeypatch.setattr(dsa, "attend_gathered_tile", lambda *a, **kw: calls.append(1) or attend(*a, **kw))
+    attend = gathered_keys.attend_gathered_tile
+    monkeypatch.setattr(gathered_keys, "GATHER_ABOVE", 0)
+    monkeypatch.setattr(dsa, "SCORE_BYTES", 2 * (6 * kv * 14 * dtype.itemsize + 6 * 3 * 4 * 4) * 2)  # 2 queries
+    gathered = run()
+    assert len(calls) >= (8 if portion else 20) // 2  # tiles of at most 2 queries, gathered
+    monkeypatch.setattr(gathered_keys, "GATHER_ABOVE", float("inf"))  # the dense kernel
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for got, ref in zip(gathered, run(), strict=True):
+        assert (got is None) == (ref is None)
+        if ref is not None:
+            assert torch.allclose(got, ref, atol=tol, rtol=tol), (got - ref).abs().max()
+
+
+DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "dots3_note_text")  # Mistral-Large-4: a VLM decoder
+
+
+def _families_with_gathered_keys(names: list[tuple[str, str]], sp_size: int, ring: int) -> dict:
+    """``family_harness.run_families`` (top-k crossed) with every DSA selection on the gathered kernel, and how many
+    tiles it attended on this rank."""
+    from hf_sp_trainer.attention import gathered_keys
+    from tests.family_harness import run_families
+
+    calls, attend = [], dsa.attend_gathered_tile
+    dsa.attend_gathered_tile = lambda *args, **kwargs: calls.append(1) or attend(*args, **kwargs)
+    gathered_keys.GATHER_ABOVE = 0
+    return {**run_families(names, sp_size, ring, True), "gathered_tiles": len(calls)}
+
+
+@pytest.mark.dist
+def test_dsa_families_are_exact_on_the_gathered_kernel():
+    """Every DSA family, its top-k crossed under its documents, on the gathered (sparse) kernel instead of the dense
+    one (the tiny rows are far below ``GATHER_ABOVE``): each document alone vs SP on a ring of 2 (sp 2), so
+    the ring ranks' zigzag portions of the queries take it too. HY-V4 runs in float64 (``family_harness.FLOAT64``)."""
+    from tests.family_harness import families
+    from tests.harness import run_distributed
+
+    names = [(f.model_type, f.class_name) for f in families() if f.model_type in DSA_FAMILIES]
+    assert {name for name, _ in names} == set(DSA_FAMILIES)
+    results = run_distributed(2, _families_with_gathered_keys, names, 2, 2, timeout=900)
+    payload = results[0][1] if isinstance(results[0], tuple) else results[0]
+    assert payload["gathered_tiles"] > 0
+    for variant in ("default", "crossed"):
+        for model_type in DSA_FAMILIES:
+            outcome = payload[variant][model_type]
+            assert outcome["status"] == "exact", (variant, model_type, outcome["detail"])
+
+
 @pytest.mark.dist
 def test_hy_v4_gap_is_round_off():
     """HY-V4 (top-k crossed under the rows) sits closest to the bar of the DSA families in fp32 (its hyper-connection

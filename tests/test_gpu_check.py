@@ -25,6 +25,7 @@ CHECKS = [
     "g_length",
     "h_auto",
     "i_varlen",
+    "j_dsa_kernel",
 ]
 
 
@@ -115,6 +116,9 @@ def test_dry_run_report(tmp_path):
 
     varlen = _ok(report, "i_varlen")  # the CPU has transformers' torch delta rule only: the loop, one call a document
     assert [(r["documents"], r["mode"], r["kernel_calls"]) for r in varlen["rows"]] == [(1, "loop", 1), (8, "loop", 8)]
+
+    (dsa_kernel,) = _ok(report, "j_dsa_kernel")["rows"]  # DSA's dense and gathered selected-keys kernels agree
+    assert float(dsa_kernel["max_rel_diff"]) < 1e-5 and dsa_kernel["dense_s"] > 0 and dsa_kernel["gathered_s"] > 0
 
 
 def test_out_of_budget_checks_are_skipped(tmp_path):

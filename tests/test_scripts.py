@@ -57,6 +57,7 @@ JOBS: dict[str, Callable[[Path], str]] = {
     "vlm": _hf_sp(ROOT / "vlm" / "qwen2.5-vl-7b-lora-multi-image-64k.sh"),
     "bench_hybrid": lambda out: run_bench("bench_hybrid.py", out),
     "bench_dsa": lambda out: run_bench("bench_dsa.py", out),
+    "bench_dsa_kernel": lambda out: run_bench("bench_dsa_kernel.py", out),
     "bench_vlm_memory": lambda out: run_bench("bench_vlm_memory.py", out),
 }
 
@@ -145,6 +146,16 @@ def test_bench_dsa_smoke(smokes):
     assert {r["model"] for r in rows} == {"deepseek_v32", "glm_moe_dsa", "axk2"} and all(
         r["dsa_over_a2a"] > 1 for r in rows
     )
+
+
+@pytest.mark.launches("bench_dsa_kernel")
+def test_bench_dsa_kernel_smoke(smokes):
+    """scripts/bench_dsa_kernel.py --smoke: DSA's gathered and dense selected-keys kernels, forward and backward at
+    two lengths, agree (the script exits non-zero otherwise) and both are timed."""
+    stdout, out = smokes.result("bench_dsa_kernel")
+    rows = json.loads((out / "dsa_kernel.json").read_text())["rows"]
+    assert [r["seq"] for r in rows] == [256, 512] and all(r["dense_s"] > 0 and r["gathered_s"] > 0 for r in rows)
+    assert all(float(r["max_rel_diff"]) <= 1e-5 for r in rows) and "| length | top-k |" in stdout
 
 
 @pytest.mark.launches("vlm")

@@ -17,8 +17,9 @@ queries against this rank's keys only. Under SP (both swapped by ``mixers.swap``
 
 Exact when the top-k picks the same keys as one device: the scores are the same fp32 products, so only keys tied at
 the k-th place (to round-off, or exactly: a zero relu sum) can differ, as they can between two lengths on one
-device. ``selected_attention`` scores every key and masks the unselected ones: memory bounded by its tiles, compute
-dense (``O(s^2)``, not ``O(s k)``): exact, not yet the sparse kernel.
+device. ``selected_attention`` scores every key and masks the unselected ones (``O(s^2)`` work, memory bounded by
+its tiles); on rows long against the top-k (``gathered_keys.GATHER_ABOVE``) it gathers each query's selected keys
+instead (``O(s k)`` work), in tiles too.
 
 With a ring (``ring_size > 1``: sp = ulysses x ring, the heads not divisible by sp) the Ulysses all-to-all leaves a
 rank its heads over its zigzag ring portion; the all-gather path (``ring_gather``) gathers the ring group's K/V in
@@ -40,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..comm import all_gather_along, all_gather_stack
 from ..sharding.sequence import SequenceSharding
+from .gathered_keys import attend_gathered_tile, gathered_tile_rows, gathers, head_rows
 
 INDICES_KWARG = "indices"  # how transformers' DSA attention hands its top-k to a non-eager kernel
 SCORE_BYTES = 1 << 28  # fp32 scores (queries x heads x keys) per query tile, in the indexer and the attention
@@ -229,9 +231,10 @@ def selected_attention(
     visible to it (its document, causal). ``selection``: one row per query of the whole sequence along its dim -2,
     made a key mask (``[b, 1 or h, rows, seq]`` bool) by ``keep``; by default DSA's top-k whole-sequence positions
     (``[b, seq, k]``, ``selected_positions``). ``sinks`` (``[h]``, HY-V4's): one extra logit per head in each
-    softmax's denominator, attending to nothing. Computed in query tiles of at most ``SCORE_BYTES`` of fp32 scores,
-    each recomputed in the backward: memory ``O(b h tile seq)``, not ``O(b h n seq)`` (the compute is still dense:
-    every key is scored, unselected ones masked)."""
+    softmax's denominator, attending to nothing. Computed in query tiles of at most ``SCORE_BYTES``, each recomputed
+    in the backward: every key is scored and the unselected ones masked (``O(n seq)`` work, memory ``O(b h tile
+    seq)``), or, for DSA's top-k positions on a sequence of at least ``GATHER_ABOVE`` times the top-k and without
+    dropout, the keys they pick are gathered (``gathered_keys``: ``O(n k)`` work)."""
     if sinks is not None and dropout:
         raise ValueError("DSA with attention sinks under SP has no attention dropout; set attention_dropout=0.")
     b, h, n, _ = q.shape
@@ -241,16 +244,23 @@ def selected_attention(
     else:
         selection = selection.index_select(-2, queries.to(selection.device))
     docs = document_ids(bounds, b, seq, q.device)
-    tile = max(1, SCORE_BYTES // (4 * b * h * seq))
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    keep = keep or functools.partial(selected_positions, seq=seq)
+    if keep is None and not dropout and gathers(selection.shape[-1], seq):  # DSA's top-k: the sparse kernel
+        dk, dv, size = k.shape[-1], v.shape[-1], k.element_size()
+        tile = gathered_tile_rows(SCORE_BYTES, b, h, k.shape[1], selection.shape[-1], dk, dv, size)
+        attend = functools.partial(attend_gathered_tile, scale=scale, kv_heads=k.shape[1])
+        keys = (head_rows(k), head_rows(v))
+    else:
+        tile = max(1, SCORE_BYTES // (4 * b * h * seq))
+        keep = keep or functools.partial(selected_positions, seq=seq)
+        attend = functools.partial(_attend_tile, scale=scale, dropout=dropout, keep=keep)
+        keys = (k, v)
     outs = []
     for start in range(0, n, tile):
         rows = slice(start, min(n, start + tile))
-        attend = functools.partial(_attend_tile, scale=scale, dropout=dropout, keep=keep)
-        args = (q[:, :, rows], k, v, selection[..., rows, :], docs, sinks, queries[rows])
+        args = (q[:, :, rows], *keys, selection[..., rows, :], docs, sinks, queries[rows])
         outs.append(checkpoint(attend, *args, use_reentrant=False) if grad else attend(*args))
-    return torch.cat(outs, dim=2).transpose(1, 2)
+    return torch.cat(outs, dim=1)
 
 
 def selected_positions(indices: torch.Tensor, seq: int) -> torch.Tensor:
@@ -263,18 +273,17 @@ def selected_positions(indices: torch.Tensor, seq: int) -> torch.Tensor:
 
 
 def _attend_tile(q, k, v, selection, docs, sinks, queries, scale: float, dropout: float, keep) -> torch.Tensor:
-    """``[b, h, tile, dv]``: the queries at the whole-sequence positions ``queries`` over their selected visible
+    """``[b, tile, h, dv]``: the queries at the whole-sequence positions ``queries`` over their selected visible
     keys."""
     b, _, rows, _ = q.shape
     visible = keep(selection) & document_causal(docs, queries)[:, None]
     if sinks is None:
         gqa = k.shape[1] != q.shape[1]
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=visible, dropout_p=dropout, scale=scale, enable_gqa=gqa
-        )
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, dropout_p=dropout, scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2)
     if k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     logits = (torch.matmul(q, k.transpose(-1, -2)) * scale).masked_fill(~visible, float("-inf"))
     sink = sinks.to(logits.dtype).view(1, -1, 1, 1).expand(b, -1, rows, 1)
     probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
-    return torch.matmul(probs.to(v.dtype), v)
+    return torch.matmul(probs.to(v.dtype), v).transpose(1, 2)
