@@ -38,9 +38,12 @@ INDEXERS = [v32.DeepseekV32Indexer, glm.GlmMoeDsaIndexer, axk2.AXK2Indexer, dots
 INDEXERS += [hy_v4.HYV4Indexer, hy_v4_vl.HYV4VLIndexer]
 
 
+@pytest.mark.parametrize("keys_per_chunk", [0, 7], ids=["query_tiles", "streamed_keys"])
 @pytest.mark.parametrize("cls", INDEXERS, ids=lambda c: c.__name__)
-def test_tiled_index_topk_equals_one_tile(cls, monkeypatch):
-    """Query tiles of 3 (the score bytes bound) pick what one tile picks, over two rows of packed documents."""
+def test_tiled_index_topk_equals_one_tile(cls, keys_per_chunk, monkeypatch):
+    """Query tiles of 3 (the score bytes bound) pick what one tile picks, over two rows of packed documents; and
+    where one query's scores over the row exceed the bound, the keys streamed in chunks of 7, each merged into the
+    running top-k, pick the same visible keys (``_streamed_topk``)."""
     indexer, rotary = _dsa_parts(cls)
     gen = torch.Generator().manual_seed(1)
     hidden, q_resid = torch.randn(2, 30, 32, generator=gen), torch.randn(2, 30, 16, generator=gen)
@@ -49,8 +52,11 @@ def test_tiled_index_topk_equals_one_tile(cls, monkeypatch):
     bounds = document_bounds(segments, 30)
     projected = PROJECTIONS[cls.__name__](indexer, hidden, q_resid, rotary(hidden, positions))
     whole = _selected(sp_index_topk(indexer, projected, bounds, None, 0), bounds, 30)
-    monkeypatch.setattr(dsa, "SCORE_BYTES", 4 * indexer.n_heads * 30 * 2 * 3)
-    tiled = _selected(sp_index_topk(indexer, projected, bounds, None, 0), bounds, 30)
+    budget = 4 * indexer.n_heads * 2 * (keys_per_chunk or 30 * 3)
+    monkeypatch.setattr(dsa, "SCORE_BYTES", budget)
+    picks = sp_index_topk(indexer, projected, bounds, None, 0)
+    assert picks.shape == (2, 30, indexer.index_topk) and int(picks.min()) >= 0 and int(picks.max()) < 30
+    tiled = _selected(picks, bounds, 30)
     assert torch.equal(whole, tiled)
     assert int(whole.sum(-1).max()) == indexer.index_topk  # the top-k binds: late queries see more keys than k
 
@@ -310,26 +316,57 @@ def test_gathered_kernel_equals_the_dense_one_with_gradients(case, monkeypatch):
             assert torch.allclose(got, ref, atol=tol, rtol=tol), (got - ref).abs().max()
 
 
+def test_gathered_kernel_in_bf16_is_as_close_as_the_dense_one(monkeypatch):
+    """In bf16 the gathered kernel widens its logits' operands to fp32 (as the fused kernels keep fp32 scores): with
+    sharp logits (~60, where bf16's spacing is 0.25-0.5) its output and gradients are as close to a float64 run as
+    the dense kernel's (SDPA's) bf16 ones; rounded to bf16, its logits put it 1.13x as far."""
+    from hf_sp_trainer.attention import gathered_keys
+
+    gen = torch.Generator().manual_seed(5)
+    leaves = [torch.randn(1, 4, 64, 16, generator=gen) * scale for scale in (8, 8, 1)]  # q, k: logits ~ 60
+    indices = torch.randint(0, 64, (1, 64, 8), generator=gen)
+    indices[..., 0] = torch.arange(64)
+    bounds, probe = torch.tensor([0, 30, 64]), torch.randn(1, 64, 4, 16, generator=gen, dtype=torch.float64)
+
+    def run(dtype, gather):
+        monkeypatch.setattr(gathered_keys, "GATHER_ABOVE", 0 if gather else float("inf"))
+        q, k, v = (t.to(dtype).requires_grad_() for t in leaves)
+        out = selected_attention(q, k, v, indices, bounds, 0.25)
+        (out.double() * probe).sum().backward()
+        return [out.detach().double(), q.grad.double(), k.grad.double(), v.grad.double()]
+
+    def error(got: list[torch.Tensor]) -> float:
+        return max(float((g - r).abs().max() / r.abs().max()) for g, r in zip(got, reference, strict=True))
+
+    reference = run(torch.float64, False)
+    errors = {gather: error(run(torch.bfloat16, gather)) for gather in (False, True)}
+    assert errors[True] <= 1.05 * errors[False], errors  # bf16 logits: 1.13x here
+
+
 DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "dots3_note_text")  # Mistral-Large-4: a VLM decoder
 
 
 def _families_with_gathered_keys(names: list[tuple[str, str]], sp_size: int, ring: int) -> dict:
-    """``family_harness.run_families`` (top-k crossed) with every DSA selection on the gathered kernel, and how many
-    tiles it attended on this rank."""
+    """``family_harness.run_families`` (top-k crossed) with every DSA selection on the gathered kernel and a score
+    budget of 1 KiB (the indexer streams its keys, ``_streamed_topk``; the attention tiles hold a query or two), and
+    how many tiles the gathered kernel attended and how many queries streamed their keys on this rank."""
     from hf_sp_trainer.attention import gathered_keys
     from tests.family_harness import run_families
 
-    calls, attend = [], dsa.attend_gathered_tile
+    calls, attend, streamed, stream = [], dsa.attend_gathered_tile, [], dsa._streamed_topk
     dsa.attend_gathered_tile = lambda *args, **kwargs: calls.append(1) or attend(*args, **kwargs)
-    gathered_keys.GATHER_ABOVE = 0
-    return {**run_families(names, sp_size, ring, True), "gathered_tiles": len(calls)}
+    dsa._streamed_topk = lambda *args, **kwargs: streamed.append(1) or stream(*args, **kwargs)
+    gathered_keys.GATHER_ABOVE, dsa.SCORE_BYTES = 0, 1024
+    outcomes = run_families(names, sp_size, ring, True)
+    return {**outcomes, "gathered_tiles": len(calls), "streamed_queries": len(streamed)}
 
 
 @pytest.mark.dist
-def test_dsa_families_are_exact_on_the_gathered_kernel():
+def test_dsa_families_are_exact_on_the_gathered_kernel_and_streamed_keys():
     """Every DSA family, its top-k crossed under its documents, on the gathered (sparse) kernel instead of the dense
-    one (the tiny rows are far below ``GATHER_ABOVE``): each document alone vs SP on a ring of 2 (sp 2), so
-    the ring ranks' zigzag portions of the queries take it too. HY-V4 runs in float64 (``family_harness.FLOAT64``)."""
+    one (the tiny rows are far below ``GATHER_ABOVE``) and with the indexer streaming its keys (the rows are far
+    below ``SCORE_BYTES`` too): each document alone vs SP on a ring of 2 (sp 2), so the ring ranks' zigzag portions
+    of the queries take them too. HY-V4 runs in float64 (``family_harness.FLOAT64``)."""
     from tests.family_harness import families
     from tests.harness import run_distributed
 
@@ -337,7 +374,7 @@ def test_dsa_families_are_exact_on_the_gathered_kernel():
     assert {name for name, _ in names} == set(DSA_FAMILIES)
     results = run_distributed(2, _families_with_gathered_keys, names, 2, 2, timeout=900)
     payload = results[0][1] if isinstance(results[0], tuple) else results[0]
-    assert payload["gathered_tiles"] > 0
+    assert payload["gathered_tiles"] > 0 and payload["streamed_queries"] > 0
     for variant in ("default", "crossed"):
         for model_type in DSA_FAMILIES:
             outcome = payload[variant][model_type]

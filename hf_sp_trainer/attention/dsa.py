@@ -194,17 +194,48 @@ def sp_index_topk(
     seq = keys.shape[1]
     topk = min(indexer.index_topk, seq)
     docs = document_ids(bounds, b, seq, q.device)
-    tile = max(1, SCORE_BYTES // (4 * heads * seq * b))
     positions = local_positions(s, rank, sharding, q.device)
+    if 4 * heads * seq * b > SCORE_BYTES:  # one query's scores over the sequence exceed the budget: stream the keys
+        chunk = max(1, SCORE_BYTES // (4 * heads * b))
+        picks = [
+            _streamed_topk(q[:, i : i + 1], keys, weights[:, i : i + 1], scale, docs, int(positions[i]), topk, chunk)
+            for i in range(s)
+        ]
+        return gather_sequence(torch.cat(picks, dim=1), group, sharding)
+    tile = SCORE_BYTES // (4 * heads * seq * b)
     picks = []
     for start in range(0, s, tile):
         rows = slice(start, min(s, start + tile))
-        scores = torch.matmul(q[:, rows], keys.transpose(-1, -2).unsqueeze(1))
-        scores = F.relu(scores if scale is None else scores * scale)
-        index = torch.matmul(weights[:, rows].unsqueeze(-2), scores).squeeze(-2)  # [b, tile, seq]
+        index = _index_scores(q[:, rows], keys, weights[:, rows], scale)  # [b, tile, seq]
         index = index.masked_fill(~document_causal(docs, positions[rows]), float("-inf"))
         picks.append(index.topk(topk, dim=-1).indices.to(torch.int32))
     return gather_sequence(torch.cat(picks, dim=1), group, sharding)
+
+
+def _index_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, scale) -> torch.Tensor:
+    """``[b, rows, n]``: the indexer's fp32 scores of the queries ``q`` (``[b, rows, heads, d]``, head weights
+    ``weights`` ``[b, rows, heads]``) for the keys ``keys`` (``[b, n, d]``)."""
+    scores = torch.matmul(q, keys.transpose(-1, -2).unsqueeze(1))
+    scores = F.relu(scores if scale is None else scores * scale)
+    return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+
+
+def _streamed_topk(q, keys, weights, scale, docs: torch.Tensor, query: int, topk: int, chunk: int) -> torch.Tensor:
+    """``[b, 1, topk]`` int32: the top-k of one query (``q`` ``[b, 1, heads, d]``, at the whole-sequence position
+    ``query``) over the keys ``0..query`` in chunks of ``chunk`` keys, each merged into the running top-k (the
+    scores of a chunk at a time in memory): the picks of one pass over the whole row, keys of another document
+    scoring ``-inf`` as there; a prefix shorter than ``topk`` is completed with later (invisible) positions."""
+    b = q.shape[0]
+    best = torch.full((b, 1, 0), float("-inf"), device=q.device)
+    where = torch.zeros((b, 1, 0), dtype=torch.long, device=q.device)
+    for start in range(0, query + 1, chunk):
+        cols = torch.arange(start, min(query + 1, start + chunk), device=q.device)
+        index = _index_scores(q, keys[:, start : start + len(cols)], weights, scale)  # [b, 1, chunk]
+        index = index.masked_fill((docs[:, cols] != docs[:, query : query + 1]).unsqueeze(1), float("-inf"))
+        best, order = torch.cat([best, index], dim=-1).topk(min(topk, best.shape[-1] + len(cols)), dim=-1)
+        where = torch.cat([where, cols.expand(b, 1, -1)], dim=-1).gather(-1, order)
+    later = torch.arange(query + 1, query + 1 + topk - where.shape[-1], device=q.device)
+    return torch.cat([where, later.expand(b, 1, -1)], dim=-1).to(torch.int32)
 
 
 def placeholder_mask(hidden_states: torch.Tensor, seq: int) -> torch.Tensor:

@@ -29,9 +29,11 @@ def gathers(topk: int, seq: int) -> bool:
 
 
 def gathered_tile_rows(budget: int, b: int, h: int, kv_heads: int, topk: int, dk: int, dv: int, itemsize: int) -> int:
-    """Queries per tile so that one tile's gathered K / V rows and its fp32 logits and probabilities (the latter
-    twice: the softmax and its mask) stay within ``budget`` bytes."""
-    per_query = b * topk * (kv_heads * (dk + dv) * itemsize + 3 * 4 * h)
+    """Queries per tile so that one tile's gathered K / V rows (and the keys' fp32 copy for half-precision inputs)
+    and its fp32 logits and probabilities (the latter twice: the softmax and its mask) stay within ``budget``
+    bytes."""
+    widened = kv_heads * dk * 4 if itemsize < 4 else 0  # the gathered keys' fp32 copy for the logits
+    per_query = b * topk * (kv_heads * (dk + dv) * itemsize + widened + 3 * 4 * h)
     return max(1, budget // per_query)
 
 
@@ -57,8 +59,9 @@ def attend_gathered_tile(
     over the keys ``picks`` (``[b, tile, topk]`` whole-sequence positions, ``-1``: none) selected that they see (their
     document in ``docs``, ``[b, seq]``; causal; a position picked twice counts once, as in a key mask).
     ``key_rows``, ``value_rows``: the whole sequence's K / V (``head_rows``); ``sinks`` (``[h]``): one extra logit
-    per head in each softmax's denominator. The softmax in fp32 at least. A query with no visible pick gets zeros
-    (the dense kernel's is undefined; DSA's queries always select themselves)."""
+    per head in each softmax's denominator. The logits (of operands widened to fp32 at least) and the softmax in
+    fp32, the probabilities then in the values' dtype, as the fused kernels. A query with no visible pick gets
+    zeros (the dense kernel's is undefined; DSA's queries always select themselves)."""
     b, h, tile, dk = q.shape
     seq, group = docs.shape[1], h // kv_heads
     positions = picks.long().sort(dim=-1).values  # in sequence order, as the dense kernel sums them
@@ -73,8 +76,8 @@ def attend_gathered_tile(
     keys = key_rows.index_select(0, rows).view(-1, topk, dk)  # [b kv_heads tile, topk, dk]
     values = value_rows.index_select(0, rows).view(-1, topk, value_rows.shape[-1])
     grouped = q.view(b, kv_heads, group, tile, dk).transpose(2, 3).reshape(-1, group, dk)
-    logits = torch.bmm(grouped, keys.transpose(1, 2))  # [b kv_heads tile, group, topk]
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) * scale
+    wide = torch.promote_types(q.dtype, torch.float32)  # fp32 logits from bf16 operands, as the fused kernels keep
+    logits = torch.bmm(grouped.to(wide), keys.to(wide).transpose(1, 2)) * scale  # [b kv_heads tile, group, topk]
     mask = seen.unsqueeze(1).expand(b, kv_heads, tile, topk).reshape(-1, 1, topk)
     none_seen = ~mask.any(-1, keepdim=True)
     logits = logits.masked_fill(~mask, float("-inf")).masked_fill(none_seen, 0.0)
