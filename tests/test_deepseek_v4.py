@@ -127,6 +127,21 @@ def test_fp32_gap_is_round_off():
         assert errors["fp64"] < 1e-11 and errors["fp32"] < 2 * errors["fp32_reference"], errors
 
 
+@pytest.mark.dist
+def test_sp4_crossed_with_a_shard_holding_no_compressed_window():
+    """The family suite's DeepSeek-V4 with its settings crossed (its compressor rope longrope) at sp 4: a shard of the
+    packed row where no compression window ends calls the compressor's rotary with no positions, and the SP group's
+    longest-position all-reduce must still run there (it crashed on that rank and left the others waiting in the
+    all-reduce until the collective timeout). Exact, in float64 (``family_harness.FLOAT64``)."""
+    from tests.family_harness import run_families
+    from tests.harness import run_distributed
+
+    results = run_distributed(4, run_families, [("deepseek_v4", "DeepseekV4ForCausalLM")], 4, None, True, timeout=600)
+    payload = results[0][1] if isinstance(results[0], tuple) else results[0]
+    for variant in ("default", "crossed"):
+        assert payload[variant]["deepseek_v4"]["status"] == "exact", payload[variant]["deepseek_v4"]
+
+
 def _halo_run(sp_size: int) -> dict:
     """Each layer of the check's small V4 (window 5, CSA every 2, HCA every 4) on 32 tokens of three documents: this
     rank's shard under SP against one process on the whole sequence (output and the hidden states' gradient), and the

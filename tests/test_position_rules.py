@@ -106,6 +106,18 @@ def test_runtime_length_rope_follows_the_longest_position(family, overrides):
     assert float((alone[0] - whole[0]).abs().max()) > 1e-3
 
 
+def test_runtime_length_rope_hook_takes_a_call_without_positions():
+    """A rank may call a rotary with no positions (DeepSeek-V4's compressor when no window ends in its shard): the hook
+    still contributes to the SP group's max (its all-reduce runs on every rank; a crash here left the others waiting
+    forever) and the call returns nothing."""
+    rope = tiny_model("phi3", rope_parameters=LONGROPE, original_max_position_embeddings=24).model.rotary_emb
+    hooks = WholeSequenceRope(group=None).attach(torch.nn.ModuleList([rope]))
+    cos, sin = rope(torch.zeros(1, 0, 16), torch.zeros(1, 0, dtype=torch.long))
+    for hook in hooks:
+        hook.remove()
+    assert cos.shape[-2] == 0 and sin.shape[-2] == 0
+
+
 def test_runtime_length_rope_with_multimodal_positions():
     """The same for Qwen2-VL's multimodal rope (positions ``[3, b, s]``, sections merged inside the rotary)."""
     from tests.multimodal_harness import build_vlm

@@ -128,7 +128,9 @@ class WholeSequenceRope:
 
         in_kwargs = "position_ids" in kwargs
         positions = kwargs["position_ids"] if in_kwargs else args[1]
-        longest = positions.amax().reshape(1).clone()
+        # a rank may have no positions in this call (DeepSeek-V4: no compressed window ends in its shard): it still
+        # joins the all-reduce, or the others wait forever
+        longest = positions.amax().reshape(1).clone() if positions.numel() else positions.new_full((1,), -1)
         if self.group is not None:
             dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.group)
         positions = torch.cat([positions, longest.to(positions.dtype).expand(*positions.shape[:-1], 1)], dim=-1)
