@@ -195,20 +195,19 @@ def sp_index_topk(
     topk = min(indexer.index_topk, seq)
     docs = document_ids(bounds, b, seq, q.device)
     positions = local_positions(s, rank, sharding, q.device)
+    picks = []
     if 4 * heads * seq * b > SCORE_BYTES:  # one query's scores over the sequence exceed the budget: stream the keys
         chunk = max(1, SCORE_BYTES // (4 * heads * b))
-        picks = [
-            _streamed_topk(q[:, i : i + 1], keys, weights[:, i : i + 1], scale, docs, int(positions[i]), topk, chunk)
-            for i in range(s)
-        ]
-        return gather_sequence(torch.cat(picks, dim=1), group, sharding)
-    tile = SCORE_BYTES // (4 * heads * seq * b)
-    picks = []
-    for start in range(0, s, tile):
-        rows = slice(start, min(s, start + tile))
-        index = _index_scores(q[:, rows], keys, weights[:, rows], scale)  # [b, tile, seq]
-        index = index.masked_fill(~document_causal(docs, positions[rows]), float("-inf"))
-        picks.append(index.topk(topk, dim=-1).indices.to(torch.int32))
+        for i in range(s):
+            row = slice(i, i + 1)
+            picks.append(_streamed_topk(q[:, row], keys, weights[:, row], scale, docs, int(positions[i]), topk, chunk))
+    else:
+        tile = SCORE_BYTES // (4 * heads * seq * b)
+        for start in range(0, s, tile):
+            rows = slice(start, min(s, start + tile))
+            index = _index_scores(q[:, rows], keys, weights[:, rows], scale)  # [b, tile, seq]
+            index = index.masked_fill(~document_causal(docs, positions[rows]), float("-inf"))
+            picks.append(index.topk(topk, dim=-1).indices.to(torch.int32))
     return gather_sequence(torch.cat(picks, dim=1), group, sharding)
 
 

@@ -36,9 +36,9 @@ With checkpointing (full) a layer keeps its input; its backward recomputes every
 transient with what precedes it in the layer). Checked against ``scripts/bench_memory.py`` CPU runs (fp32, sp 1 and 2,
 plain and checkpointed; ``docs/benchmarks/dsa_memory``). Not validated: bf16 / GPUs (the kernels' temporaries differ),
 the tiled MLP (it tiles dense MLPs only, so MoE layers are counted untiled), ``sequence_aware`` and offloading, a
-ring beyond 2 (measured: ring 2 alone, Ulysses 2 x ring 2). Assumed: a memory-efficient kernel for unequal q/k and
-v head sizes (CPU sdpa at sp 1 has none: its math path keeps ``[H, s, s]``; the bench models use equal sizes). LoRA
-is refused (``lora_params``).
+ring beyond 4 (measured: rings of 2 and 4 alone, Ulysses 2 x ring 2). Assumed: a memory-efficient kernel for unequal
+q/k and v head sizes (CPU sdpa at sp 1 has none: its math path keeps ``[H, s, s]``; the bench models use equal
+sizes). LoRA is refused (``lora_params``).
 """
 
 from __future__ import annotations
