@@ -514,9 +514,9 @@ def reset_backend_state() -> None:
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()  # a previous ZeRO-3 run would make from_config partition the next model
-    leftovers = ("FSDP_", "ACCELERATE_USE_", "PARALLELISM_CONFIG_")
+    leftovers = ("FSDP_", "ACCELERATE_USE_", "PARALLELISM_CONFIG_", "HF_SP_DSA_")
     for key in [k for k in os.environ if k.startswith(leftovers)]:
-        del os.environ[key]  # set by a previous run's TrainingArguments (FSDP, DeepSpeed, parallelism config)
+        del os.environ[key]  # set by a previous run's TrainingArguments (FSDP, DeepSpeed, parallelism config), Case.env
 
 
 def full_parameters(model) -> dict[str, torch.Tensor]:

@@ -316,6 +316,19 @@ def test_gathered_kernel_equals_the_dense_one_with_gradients(case, monkeypatch):
             assert torch.allclose(got, ref, atol=tol, rtol=tol), (got - ref).abs().max()
 
 
+def test_gather_threshold_from_the_environment(monkeypatch):
+    """``HF_SP_DSA_GATHER_ABOVE`` overrides ``GATHER_ABOVE`` (a GPU's own crossover; the Trainer-level case sets 0);
+    a value that is not a number is refused by name."""
+    from hf_sp_trainer.attention.gathered_keys import GATHER_ABOVE_ENV, gathers
+
+    assert not gathers(6, 100) and gathers(6, 480)
+    monkeypatch.setenv(GATHER_ABOVE_ENV, "0")
+    assert gathers(6, 100)
+    monkeypatch.setenv(GATHER_ABOVE_ENV, "eighty")
+    with pytest.raises(ValueError, match="HF_SP_DSA_GATHER_ABOVE='eighty' is not a number"):
+        gathers(6, 100)
+
+
 def test_gathered_kernel_in_bf16_is_as_close_as_the_dense_one(monkeypatch):
     """In bf16 the gathered kernel widens its logits' operands to fp32 (as the fused kernels keep fp32 scores): with
     sharp logits (~60, where bf16's spacing is 0.25-0.5) its output and gradients are as close to a float64 run as

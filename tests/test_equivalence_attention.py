@@ -4,6 +4,7 @@ on 2 and 4 gloo processes trains exactly like plain Trainer in one process (Ulys
 import pytest
 import torch
 
+from hf_sp_trainer.attention.gathered_keys import GATHER_ABOVE_ENV as GATHER
 from hf_sp_trainer.validate import validate_model_for_sp
 from tests.harness import EXACT, Case, check_sp_case, run_distributed, sp_runs_by_world, tiny_model, unwrap_results
 
@@ -39,6 +40,8 @@ WORLD2 = [
     Case("ring2_doge_dynamic_mask", family="doge", distinct_tokens=True, sp_overrides=RING2, **SGD),
     # DSA with a ring (sp 2 = ring 2): the all-gather path, the ring group's K/V gathered (attention/dsa.ring_gather)
     Case("ring2_deepseek_v32_dsa_ga2", family="deepseek_v32", grad_accum=2, sp_overrides=RING2, **SGD),
+    # DSA's gathered (sparse) kernel, which the tiny rows are far too short to take by themselves (GATHER_ABOVE)
+    Case("ring2_deepseek_v32_dsa_gathered", family="deepseek_v32", sp_overrides=RING2, env={GATHER: "0"}, **SGD),
     # DeepSpeed hands the optimizer zero gradients for the parameters that get none (DSA's indexer: no_grad in
     # transformers), so weight decay shrinks them; torch's optimizer skips them. Without weight decay both agree.
     Case(

@@ -17,15 +17,27 @@ flash-attn 4's sparse MLA backward (SM100) takes MLA's absorbed latent form (one
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 # gather when the sequence holds at least this many times the top-k keys (CPU break-even near 75: module docstring)
 GATHER_ABOVE = 80
+GATHER_ABOVE_ENV = "HF_SP_DSA_GATHER_ABOVE"  # overrides it, e.g. with a GPU's own crossover (0: always gather)
 
 
 def gathers(topk: int, seq: int) -> bool:
     """Whether selections of ``topk`` keys of a ``seq``-key sequence take the gathered kernel."""
-    return seq >= GATHER_ABOVE * topk
+    value = os.environ.get(GATHER_ABOVE_ENV)
+    if value is None:
+        return seq >= GATHER_ABOVE * topk
+    try:
+        return seq >= float(value) * topk
+    except ValueError:
+        raise ValueError(
+            f"{GATHER_ABOVE_ENV}={value!r} is not a number: set it to how many times the top-k a row must hold for "
+            f"DSA to gather its selected keys (0: always, a large number: never; default {GATHER_ABOVE})."
+        ) from None
 
 
 def gathered_tile_rows(budget: int, b: int, h: int, kv_heads: int, topk: int, dk: int, dv: int, itemsize: int) -> int:
