@@ -10,9 +10,10 @@ test that is not ``unit`` (``-m "not slow"`` == ``-m unit``).
   fails, naming the tier to use, in setup, call or teardown, even where the test catches the exception (the jobs
   e2e tests start in background threads, ``tests/launches.py``, may still be running).
 - At the session's end the gloo pool is shut down; a tier that ran in full (the whole ``tests`` directory, no
-  ``-k``, nothing of it deselected, not stopped early) has its wall time (its tests' setup + call + teardown) written
-  to ``tier_durations.json``, and the session's too when every tier ran; one over its budget in
-  ``tier_budgets.json`` fails the session (``HF_SP_TEST_BUDGETS=0``: recorded, not enforced).
+  ``-k``, nothing of it deselected, not stopped early) has its wall time (its tests' setup + call + teardown) recorded,
+  and the session's too when every tier ran; one over its budget in ``tier_budgets.json`` fails the session
+  (``HF_SP_TEST_BUDGETS=0``: recorded, not enforced). A run writes no tracked file: the record goes to the ignored
+  ``.pytest_cache/hf_sp/tier_durations.json``; ``--record-durations`` writes the committed ``tier_durations.json``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TIERS = ("unit", "dist", "matrix", "e2e")
 BUDGETS = os.path.join(TESTS, "tier_budgets.json")
-DURATIONS = os.path.join(TESTS, "tier_durations.json")
+DURATIONS = os.path.join(TESTS, "tier_durations.json")  # the committed record (--record-durations)
+RUN_DURATIONS = os.path.join(os.path.dirname(TESTS), ".pytest_cache", "hf_sp", "tier_durations.json")  # ignored
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--record-durations",
+        action="store_true",
+        help="write the tiers' wall times into the committed tests/tier_durations.json (default: an ignored file)",
+    )
+
+
 USE = {
     "dist": "spawned gloo worlds (run_distributed)",
     "matrix": "a big parametrised sweep over gloo worlds",
@@ -220,7 +232,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
         return
     with open(BUDGETS) as f:
         budgets = json.load(f)
-    recorded = json.load(open(DURATIONS)) if os.path.exists(DURATIONS) else {}
+    path = DURATIONS if session.config.getoption("record_durations") else RUN_DURATIONS
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    recorded = json.load(open(path)) if os.path.exists(path) else {}
     now = time.strftime("%Y-%m-%d")
     for tier in tiers:
         recorded[tier] = {"seconds": round(_state["seconds"].get(tier, 0.0), 1), "tests": _state["selected"][tier],
@@ -233,7 +247,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus) -> None:
             "date": now,
         }
     recorded["machine"] = f"{os.cpu_count()} cores"
-    with open(DURATIONS, "w") as f:
+    with open(path, "w") as f:
         json.dump(recorded, f, indent=2, sort_keys=True)
         f.write("\n")
     over = []

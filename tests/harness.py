@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.exactness import EXACT, Verdict, float64_scope, inject_error, judge, widened
+
 VOCAB = 128
 FAMILIES = {
     "llama": "LlamaConfig",
@@ -257,7 +259,7 @@ def init_large_sinks(model, seed: int = 0) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # process groups
 # ----------------------------------------------------------------------------------------------------------------
-EXACT = 1e-5  # the tolerance of every exact-equivalence comparison (relative; fp32 round-off of a reordered sum)
+REPORT_KEYS = ("loss", "grad_norm", "eval_loss", "params", "predict", "test_loss")
 FP64_EXACT = 1e-12  # the same in float64 (kernel-level checks run in fp64 where they can)
 BF16_TOL = 3e-2  # bf16 on both sides: 8 mantissa bits, ~4e-3 per rounding, a few steps of drift
 
@@ -470,7 +472,9 @@ class Case:
     backend: str = "ddp"  # ddp | fsdp2 | zero1 | zero2 | zero3, "+offload" for ZeRO CPU offload (SP run only)
     sp_overrides: dict = field(default_factory=dict)  # extra TrainingArguments for the SP run only (e.g. bf16)
     env: dict = field(default_factory=dict)  # environment variables for the SP run (e.g. PARALLELISM_CONFIG_*)
-    tol: float = EXACT
+    tol: float = EXACT  # EXACT: judged by tests/exactness.py (float64 past it); another: a plain bar (bf16)
+    float64: bool = False  # both runs wholly in float64 (exactness.judge's float64 run)
+    inject: tuple[float, bool] | None = None  # a negative control's SP error (exactness.inject_error), SP run only
 
     @property
     def dp_size(self) -> int:
@@ -528,11 +532,16 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
         import deepspeed
 
         with deepspeed.zero.GatheredParameters(params):
-            return {k: v.detach().float().clone() for k, v in model.named_parameters()}
+            return {k: _at_least_fp32(v.detach()).clone() for k, v in model.named_parameters()}
     return {
-        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().clone()
+        k: _at_least_fp32((v.full_tensor() if isinstance(v, DTensor) else v).detach()).clone()
         for k, v in model.named_parameters()
     }
+
+
+def _at_least_fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, or float64 where it is (a float64 run compares in float64)."""
+    return t if t.dtype == torch.float64 else t.float()
 
 
 def record_inputs(model) -> list[dict[str, torch.Tensor]]:
@@ -571,6 +580,8 @@ def build_trainer(case: Case, sp: bool, out_dir: str, ddp: bool = False, **extra
 
     reset_backend_state()
     model = tiny_model(case.family, attn=case.attn, **case.model_overrides)
+    if case.float64:
+        model = widened(model)
     global_batch = case.batch_size * case.dp_size
     n_train = case.n_train or global_batch * case.grad_accum * case.steps
     lengths = dict(min_len=case.min_len, max_len=case.max_len, masked_prompt=case.masked_prompt)
@@ -594,6 +605,8 @@ def build_trainer(case: Case, sp: bool, out_dir: str, ddp: bool = False, **extra
         common.update(backend_args(case.backend), **case.sp_overrides)
         args = TrainingArguments(**common)
         trainer = SPTrainer(model=model, args=args, train_dataset=train, eval_dataset=evals)
+        if case.inject is not None:
+            inject_error(model, *case.inject)
     else:
         per_device = case.batch_size if ddp else global_batch
         args = transformers.TrainingArguments(
@@ -643,11 +656,12 @@ def train_case(case: Case, sp: bool, out_dir: str, ddp: bool = False) -> dict:
     model, trainer, evals = build_trainer(case, sp, out_dir, ddp=ddp)
     init = {k: v.detach().clone() for k, v in model.named_parameters()}
     seen = record_inputs(model)
-    trainer.train()
+    with float64_scope(model):  # a float64 model's own fp32 islands in float64 too
+        trainer.train()
+        eval_loss = trainer.evaluate()["eval_loss"]
+        prediction = trainer.predict(evals[: case.eval_batch_size])  # one batch: logits gathered along the sequence
     empty_shards = sum(int((x["shift_labels"] != -100).sum() == 0) for x in seen if "shift_labels" in x)
-    eval_loss = trainer.evaluate()["eval_loss"]
-    prediction = trainer.predict(evals[: case.eval_batch_size])  # one batch: logits gathered back along the sequence
-    predictions = torch.as_tensor(_logits(prediction.predictions)).float()
+    predictions = _at_least_fp32(torch.as_tensor(_logits(prediction.predictions)))
     if not sp and case.family in PADDED_REFERENCE:
         predictions = packed_predictions(predictions, evals[: case.eval_batch_size])
     logs = logged_steps(trainer)
@@ -723,20 +737,51 @@ def reference_runs(cases: list) -> dict[str, Callable[[], dict]]:
 
 def check_sp_case(case, runs: CaseRuns, tol: float) -> dict:
     """``case``'s SP run against its single-process run (both from ``sp_runs_by_world``): the optimizer steps, and
-    every reported difference within ``tol``; the differences."""
+    every reported difference exact (``tol`` ``EXACT``: ``exactness.judge``, its float64 run ``float64_case_gaps``)
+    or within ``tol``; the differences."""
     got = runs.got(case)
     ref = runs.reference(case)
     diffs = compare(ref, got)
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
     assert got["global_step"] == ref["global_step"] == case.steps
-    assert_within(case.name, diffs, tol)
+    assert_case(case, diffs, ref, tol)
     return diffs
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# comparison
-# ----------------------------------------------------------------------------------------------------------------
-REPORT_KEYS = ("loss", "grad_norm", "eval_loss", "params", "predict", "test_loss")
+def assert_case(case, diffs: dict[str, float], ref32: dict, tol: float = EXACT, float64: bool = True) -> None:
+    """A Trainer-level comparison (``compare``'s ``diffs`` against the one-process run ``ref32``) exact by
+    ``exactness.judge`` (with its float64 run where ``case`` is a ``Case`` and ``float64``: ``case_verdict``; not
+    where the reference is no one-process run, e.g. DDP's), or, for another ``tol`` (bf16), every reported
+    difference within it."""
+    if tol != EXACT:
+        assert_within(case.name, diffs, tol)
+        return
+    if isinstance(case, Case) and float64:
+        verdict = case_verdict(case, diffs, ref32)
+    else:
+        fp32, key = worst_reported(diffs)
+        verdict = judge(case.name, fp32, None, key)
+    assert verdict.exact, str(verdict)
+
+
+def worst_reported(diffs: dict[str, float]) -> tuple[float, str]:
+    """The largest of the ``REPORT_KEYS`` differences ``compare`` measured, and its key."""
+    return max((diffs[k], k) for k in REPORT_KEYS if k in diffs)
+
+
+def case_verdict(case, diffs: dict[str, float], ref32: dict, force: bool = False) -> Verdict:
+    """A Trainer-level case's fp32 differences judged by ``exactness.judge``: past ``EXACT`` (or ``force``), both runs
+    again wholly in float64 (``case.float64``) on the pool, and the one-process fp32 run (``ref32``) against
+    float64's."""
+
+    def float64_run() -> tuple[float, float]:
+        wide = case.with_(float64=True)
+        sp64 = unwrap_results(run_distributed(wide.world_size, run_cases, [wide]))[0][wide.name]
+        ref64 = run_parallel(single_process_run, [wide])[0]()
+        return worst_reported(compare(ref64, sp64))[0], worst_reported(compare(ref64, ref32))[0]
+
+    fp32, key = worst_reported(diffs)
+    return judge(case.name, fp32, float64_run, key, force)
 
 
 def assert_within(name: str, diffs: dict[str, float], tol: float) -> None:
@@ -774,6 +819,16 @@ def worst_error(ref: tuple[float, dict], got: tuple[float, dict]) -> tuple[float
         if err > worst:
             worst, where = err, name
     return worst, where
+
+
+def trainer_diffs(got: dict, ref: dict, steps: int) -> dict[str, float]:
+    """Per-step ``losses`` and ``grad_norms`` (``steps`` of each on both sides) and the final ``params``: the worst
+    relative difference of each."""
+    out = {}
+    for key in ("losses", "grad_norms"):
+        assert len(got[key]) == len(ref[key]) == steps, (key, got[key], ref[key])
+        out[key] = max(rel(a, b) for a, b in zip(got[key], ref[key], strict=True))
+    return out | {"params": params_rel(got["params"], ref["params"])}
 
 
 def params_rel(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from hf_sp_trainer.data import tiny_vlm
 from hf_sp_trainer.data.tiny_vlm import tiny_llava_config, tiny_llava_processor, vision_conversations
 from hf_sp_trainer.model.vlm import vlm_base
+from tests.exactness import float64_scope, inject_error, judge, widened
 from tests.harness import worst_error
 from tests.multimodal_families_extra import CONFIGS as EXTRA_CONFIGS
 from tests.multimodal_families_extra import FAMILIES as EXTRA_FAMILIES
@@ -80,6 +81,9 @@ FAMILIES = {
     **PIXTRAL_FAMILIES,  # Mistral-Large-4: Pixtral's images, a DSA decoder (tests/multimodal_families_extra.py)
     **MROPE_FAMILIES,  # ERNIE-4.5-VL and Qwen4-Exp: tests/multimodal_families_mrope.py
 }
+# VLMs whose fp32 round-off reaches ``EXACT`` on some host (their hyper-connection heads, as HY-V4's): judged with
+# their float64 run on every host (``exactness.judge``'s ``force``)
+NEAR_THE_BAR = {"hy_v4_vl", "glm5_next"}
 GEMMA4 = ("gemma4", "gemma4_causal")  # h x w patches of 2 x 2 pixels (positions, -1 = padding), pooled 2 x 2
 PIXTRAL = ("mistral3", "lighton_ocr", *PIXTRAL_FAMILIES)  # images of any size, [IMG_BREAK] rows
 SHUFFLED = ("aya_vision", "cohere2_vision")  # 16 x 16 pixels, 2 x 2 patches, pixel-shuffled by 2: 16 placeholders
@@ -703,18 +707,28 @@ def vision_tower(model) -> torch.nn.Module:
     return next(getattr(base, a) for a in ("visual", "vision_tower", "vision_model") if hasattr(base, a))
 
 
-def run_case(case: Case, sp_size: int) -> dict:
+def run_case(case: Case, sp_size: int, float64: bool = False, inject: tuple[float, bool] | None = None) -> dict:
+    """The case's SP run against each document alone: its worst relative error (``error``, ``where``) and what it
+    ran; ``float64``: the model, its media and its pinned fp32 islands in float64 (``exactness.judge``'s float64 run;
+    ``reference``: the one-process run's loss and gradients); ``inject``: a negative control's SP error."""
     from hf_sp_trainer import SPMultimodalCollator, apply_sequence_parallel
 
     model = build_vlm(case.family, crossed=case.crossed)
     if case.frozen:
         vision_tower(model).requires_grad_(False)
     examples = make_examples(LAYOUTS[case.layout], case.family)
-    ref = reference(model, examples)
+    if float64:
+        model = widened(model)
+        examples = [{k: v.double() if v.is_floating_point() else v for k, v in e.items()} for e in examples]
+    with float64_scope(model):
+        ref = reference(model, examples)
     acts = worst_error(ref, reference(build_vlm(case.family), examples))[0] if model.crossed_settings else None
     batch = SPMultimodalCollator(model)(examples)
     with apply_sequence_parallel(model, sp_size, ring_size=case.ring, split_media=case.split) as sp:
-        got = sp_run(model, sp, batch)
+        if inject is not None:
+            inject_error(model, *inject)
+        with float64_scope(model):
+            got = sp_run(model, sp, batch)
         exchanged = sp.media.exchanged
     worst, where = worst_error(ref, got)
     length = batch["input_ids"].shape[1]
@@ -726,16 +740,35 @@ def run_case(case: Case, sp_size: int) -> dict:
         "exchanged": exchanged,
         "crossed": model.crossed_settings,
         "acts": acts,
+        "reference": ref,
     }
 
 
-def run_matrix(cases: list[Case], sp_size: int) -> dict[str, dict]:
+def judged_case(case: Case, sp_size: int, inject: tuple[float, bool] | None = None) -> dict:
+    """``run_case`` judged by ``exactness.judge`` on every rank alike (the fp32 gap agreed by an all-reduce first):
+    past ``EXACT`` (or a ``NEAR_THE_BAR`` family), the case again wholly in float64; ``exact`` and ``verdict``."""
+    import torch.distributed as dist
+
+    result = run_case(case, sp_size, inject=inject)
+    fp32 = torch.tensor([result["error"]], dtype=torch.float64)
+    dist.all_reduce(fp32, op=dist.ReduceOp.MAX)
+
+    def float64_run() -> tuple[float, float]:
+        wide = run_case(case, sp_size, float64=True, inject=inject)
+        return wide["error"], worst_error(wide["reference"], result["reference"])[0]
+
+    verdict = judge(case.name, float(fp32), float64_run, result["where"], force=case.family in NEAR_THE_BAR)
+    del result["reference"]
+    return result | {"exact": verdict.exact, "verdict": str(verdict), "float64": verdict.float64}
+
+
+def run_matrix(cases: list[Case], sp_size: int, inject: tuple[float, bool] | None = None) -> dict[str, dict]:
     import torch.distributed as dist
     from transformers.utils import logging
 
     logging.set_verbosity_error()
     dist.init_process_group("gloo")
-    return {case.name: run_case(case, sp_size) for case in cases}
+    return {case.name: judged_case(case, sp_size, inject) for case in cases}
 
 
 def run_matrix_without(cases: list[Case], sp_size: int) -> dict[str, dict]:
@@ -743,6 +776,8 @@ def run_matrix_without(cases: list[Case], sp_size: int) -> dict[str, dict]:
     those in a later key chunk (the blocks a causal ring skips); Gemma4's with the pairs on its full-attention layers
     too (every layer, as Gemma3)."""
     import dataclasses
+
+    import torch.distributed as dist
 
     import hf_sp_trainer.attention.ring as ring
     import hf_sp_trainer.attention.ulysses as ulysses
@@ -753,7 +788,8 @@ def run_matrix_without(cases: list[Case], sp_size: int) -> dict[str, dict]:
     try:
         zigzag._image_tasks = lambda *args: []
         ring._cached_plan.cache_clear()
-        out |= {f"{k}_causal": v for k, v in run_matrix(cases, sp_size).items()}
+        dist.init_process_group("gloo")
+        out |= {f"{case.name}_causal": run_case(case, sp_size) for case in cases}
         zigzag._image_tasks = lambda *args: [t for t in original(*args) if t.kind != "full"]
         ring._cached_plan.cache_clear()
         for case in cases:
@@ -770,7 +806,7 @@ def run_matrix_without(cases: list[Case], sp_size: int) -> dict[str, dict]:
     finally:
         zigzag._image_tasks, ulysses.mark_image_block_layers = original, mark
         ring._cached_plan.cache_clear()
-    return out
+    return {name: {k: v for k, v in result.items() if k != "reference"} for name, result in out.items()}
 
 
 # ----------------------------------------------------------------------------------------------------------------

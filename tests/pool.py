@@ -12,10 +12,16 @@ tears down and resets (``_end_case``) before it answers, so a world that answere
 - DeepSpeed: transformers' HF-DeepSpeed config, ``deepspeed.comm``'s backend object, ``deepspeed.utils.groups``'
   cached groups (its ``_release_process_group_references``);
 - torch: ``DeviceMesh``'s mesh stack, dynamo's caches and counters, default dtype, threads (1), deterministic
-  algorithms, fp32 matmul precision, grad mode, anomaly detection;
+  algorithms, fp32 matmul precision and every backend's ``fp32_precision`` as a fresh process has them (setting the
+  matmul precision to its own default turns mkldnn's from "none" to "ieee", which changed a compiled flex_attention
+  eval by 5e-3 on an AMX CPU), grad mode, anomaly detection;
 - transformers' attention / mask-attention registries (entries the case added or replaced), its log verbosity and
   ``warning_once`` memory, Python's warning filters;
 - the package's ``functools`` caches (e.g. ``sp_topology``, which holds process groups);
+- the package's module constants and the functions and classes its modules define, as imported (a case that sets
+  ``gathered_keys.GATHER_ABOVE`` or wraps ``dsa._streamed_topk`` and doesn't undo it changed the kernels, and so
+  the round-off, of every later case on that world); every package module is imported when the rank starts, so
+  that what a case changes is known as imported;
 - the environment (every variable the case set, changed or removed) and the working directory;
 - the random seeds (torch back to its fresh-process default seed; ``random`` / numpy seeded 0) -- set before each case.
 
@@ -300,12 +306,14 @@ class Baseline:
     def __init__(self) -> None:
         import torch
 
+        self.package = package_state()  # first: what importing the package sets is part of the baseline
         self.env = dict(os.environ)
         self.cwd = os.getcwd()
         self.dtype = torch.get_default_dtype()
         self.deterministic = (torch.are_deterministic_algorithms_enabled(),
                               torch.is_deterministic_algorithms_warn_only_enabled())  # fmt: skip
         self.matmul_precision = torch.get_float32_matmul_precision()
+        self.fp32_precisions = {path: _backend(path).fp32_precision for path in FP32_PRECISIONS}
         self.warning_filters = list(warnings.filters)
         self.registries = {id(r): (r, dict(r._global_mapping)) for r in _registries()}
         self.verbosity = _transformers_verbosity()
@@ -327,12 +335,16 @@ class Baseline:
         torch.set_default_dtype(self.dtype)
         torch.set_num_threads(1)
         torch.use_deterministic_algorithms(self.deterministic[0], warn_only=self.deterministic[1])
-        torch.set_float32_matmul_precision(self.matmul_precision)
+        if torch.get_float32_matmul_precision() != self.matmul_precision:
+            torch.set_float32_matmul_precision(self.matmul_precision)
+        for path, value in self.fp32_precisions.items():  # what the call above sets, as a fresh process has it
+            _backend(path).fp32_precision = value
         torch.set_grad_enabled(True)
         torch.autograd.set_detect_anomaly(False)
         warnings.filters[:] = self.warning_filters
         getattr(warnings, "_filters_mutated", lambda: None)()  # forget what "once" filters have shown
         self._reset_libraries()
+        restore_package(self.package)
         for cache in _package_caches():
             cache.cache_clear()
         gc.collect()
@@ -385,6 +397,54 @@ class Baseline:
                 cached = getattr(std_logging.Logger, name, None)
                 if hasattr(cached, "cache_clear"):
                     cached.cache_clear()
+
+
+# torch's fp32 precision settings (setting the matmul precision, even to its default "highest", turns mkldnn's
+# matmul from "none" to "ieee", and inductor's flex_attention on an AMX CPU then computes another result: 5e-3 apart)
+FP32_PRECISIONS = ("backends", "backends.mkldnn", "backends.mkldnn.matmul", "backends.mkldnn.conv",
+                   "backends.mkldnn.rnn", "backends.cuda.matmul", "backends.cudnn", "backends.cudnn.conv",
+                   "backends.cudnn.rnn")  # fmt: skip
+
+
+def _backend(path: str):
+    import torch
+
+    obj = torch
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def package_state() -> dict[str, dict[str, Any]]:
+    """Every module of the package (all imported now), its constants (upper-case names) and the functions and
+    classes it defines: name -> value, per module."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import hf_sp_trainer
+
+    for info in pkgutil.walk_packages(hf_sp_trainer.__path__, "hf_sp_trainer."):
+        importlib.import_module(info.name)
+
+    def kept(module, name: str, value) -> bool:
+        if name.strip("_").isupper():
+            return True
+        return (inspect.isfunction(value) or inspect.isclass(value)) and value.__module__ == module.__name__
+
+    return {m.__name__: {k: v for k, v in vars(m).items() if kept(m, k, v)} for m in _package_modules()}
+
+
+def restore_package(state: dict[str, dict[str, Any]]) -> list[str]:
+    """Put back what a case rebound of ``package_state``'s names; the names put back."""
+    restored = []
+    for module_name, names in state.items():
+        module = sys.modules[module_name]
+        for name, value in names.items():
+            if vars(module).get(name, restored) is not value:
+                setattr(module, name, value)
+                restored.append(f"{module_name}.{name}")
+    return restored
 
 
 def _registries() -> list:

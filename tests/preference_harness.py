@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from tests.exactness import assert_exact
 from tests.harness import (
-    EXACT,
     backend_args,
     full_parameters,
     logged_throughput_tokens,
@@ -314,7 +314,7 @@ def single_process_references(trainer: str) -> dict:
 
 def check_case(case: PrefCase) -> dict[str, float]:
     """Train ``case`` with TRL (one process, or dp processes for ``DDP_REFERENCE`` trainers), compare with its SP
-    run, assert every figure within ``EXACT``."""
+    run, assert every figure exact (``exactness.assert_exact``)."""
     from tests.harness import assert_throughput_counts, compare
 
     got = sp_results(case.world_size)[case.name]
@@ -328,7 +328,5 @@ def check_case(case: PrefCase) -> dict[str, float]:
     assert got["model_type"].removeprefix("FSDP") == ref["model_type"]  # FSDP2 renames the class it shards
     assert ("Peft" in got["model_type"]) == case.lora
     assert_throughput_counts(got["throughput_tokens"], got["shard_tokens"], case.name)
-    for key, value in diffs.items():
-        if key not in ("params_tensor", "update"):  # informational (see harness.compare)
-            assert value <= EXACT, f"{case.name}: {key} differs by {value:.3e} (relative)"
+    assert_exact(case.name, {k: v for k, v in diffs.items() if k not in ("params_tensor", "update")})  # informational
     return got

@@ -29,9 +29,8 @@ from hf_sp_trainer.memory.checkpointing import (
 )
 from hf_sp_trainer.memory.offload import HostOffload
 from tests.harness import (
-    EXACT,
     Case,
-    assert_within,
+    assert_case,
     compare,
     run_cases,
     run_distributed,
@@ -312,7 +311,8 @@ def test_auto_keeps_the_all_to_all_results_where_the_budget_allows_sp2(sp_result
 @pytest.mark.parametrize("case", CASES + SFT_CASES, ids=lambda c: c.name)
 def test_checkpoint_features_train_like_plain_single_process(case, sp_results, tmp_path):
     got = sp_results[0]["runs"][case.name]
-    diffs = compare(reference_run(case, str(tmp_path)), got)
+    ref = reference_run(case, str(tmp_path))
+    diffs = compare(ref, got)
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
     assert got["global_step"] == case.steps
-    assert_within(case.name, diffs, EXACT)
+    assert_case(case, diffs, ref)

@@ -13,7 +13,7 @@ from tests.harness import (
     BF16_TOL,
     EXACT,
     Case,
-    assert_within,
+    assert_case,
     build_trainer,
     compare,
     logged_steps,
@@ -102,7 +102,7 @@ def test_backend_matches_single_process(case, sp_results):
     assert got["global_step"] == ref["global_step"] == case.steps
     if case.sp_overrides.get("bf16"):
         assert diffs["params"] > EXACT, f"{case.name}: bf16 was not applied (fp32-exact results)"
-    assert_within(case.name, diffs, case.tol)
+    assert_case(case, diffs, ref, case.tol)
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ negative controls). Over gloo ranks: the family suite (every DSA family, top-k c
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import pytest
@@ -331,8 +332,10 @@ def test_gather_threshold_from_the_environment(monkeypatch):
 
 def test_gathered_kernel_in_bf16_is_as_close_as_the_dense_one(monkeypatch):
     """In bf16 the gathered kernel widens its logits' operands to fp32 (as the fused kernels keep fp32 scores): with
-    sharp logits (~60, where bf16's spacing is 0.25-0.5) its output and gradients are as close to a float64 run as
-    the dense kernel's (SDPA's) bf16 ones; rounded to bf16, its logits put it 1.13x as far."""
+    sharp logits (~60, where bf16's spacing is 0.25-0.5) its output and gradients are about as close to a float64 run
+    as the dense kernel's (SDPA's) bf16 ones (0.97x here), and closer than the same kernel with bf16 logits (the
+    negative control: 1.13x the dense one's here). The bars leave room for other hosts' bf16 kernels: within 10% of
+    SDPA's error, and below the control's on the same host (the one difference being the logits' dtype)."""
     from hf_sp_trainer.attention import gathered_keys
 
     gen = torch.Generator().manual_seed(5)
@@ -352,8 +355,21 @@ def test_gathered_kernel_in_bf16_is_as_close_as_the_dense_one(monkeypatch):
         return max(float((g - r).abs().max() / r.abs().max()) for g, r in zip(got, reference, strict=True))
 
     reference = run(torch.float64, False)
-    errors = {gather: error(run(torch.bfloat16, gather)) for gather in (False, True)}
-    assert errors[True] <= 1.05 * errors[False], errors  # bf16 logits: 1.13x here
+    try:
+        errors = {gather: error(run(torch.bfloat16, gather)) for gather in (False, True)}
+    except RuntimeError as exc:
+        _skip_where_bf16_sdpa_cannot_run(exc)
+    monkeypatch.setattr(gathered_keys, "LOGITS_AT_LEAST", torch.bfloat16)
+    errors["bf16 logits"] = error(run(torch.bfloat16, True))
+    assert errors[True] <= 1.1 * errors[False] and errors[True] < 0.95 * errors["bf16 logits"], errors
+
+
+def _skip_where_bf16_sdpa_cannot_run(exc: RuntimeError) -> None:
+    """torch's bf16 SDPA on an AMX CPU raises where ``ATEN_CPU_CAPABILITY`` caps torch's kernels below AVX-512 (its
+    ``pack_vnni2``): a round-off profile no real host has (a CPU without AVX-512 has no AMX either). Else ``exc``."""
+    if "pack_vnni2" not in str(exc):
+        raise exc
+    pytest.skip(f"torch's bf16 SDPA under ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY')}: {exc}")
 
 
 DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "dots3_note_text")  # Mistral-Large-4: a VLM decoder
@@ -367,10 +383,15 @@ def _families_with_gathered_keys(names: list[tuple[str, str]], sp_size: int, rin
     from tests.family_harness import run_families
 
     calls, attend, streamed, stream = [], dsa.attend_gathered_tile, [], dsa._streamed_topk
+    above, budget = gathered_keys.GATHER_ABOVE, dsa.SCORE_BYTES
     dsa.attend_gathered_tile = lambda *args, **kwargs: calls.append(1) or attend(*args, **kwargs)
     dsa._streamed_topk = lambda *args, **kwargs: streamed.append(1) or stream(*args, **kwargs)
     gathered_keys.GATHER_ABOVE, dsa.SCORE_BYTES = 0, 1024
-    outcomes = run_families(names, sp_size, ring, True)
+    try:
+        outcomes = run_families(names, sp_size, ring, True)
+    finally:  # the pool's rank serves later cases (and its reset restores them too: tests/pool.py)
+        dsa.attend_gathered_tile, dsa._streamed_topk = attend, stream
+        gathered_keys.GATHER_ABOVE, dsa.SCORE_BYTES = above, budget
     return {**outcomes, "gathered_tiles": len(calls), "streamed_queries": len(streamed)}
 
 
@@ -379,7 +400,7 @@ def test_dsa_families_are_exact_on_the_gathered_kernel_and_streamed_keys():
     """Every DSA family, its top-k crossed under its documents, on the gathered (sparse) kernel instead of the dense
     one (the tiny rows are far below ``GATHER_ABOVE``) and with the indexer streaming its keys (the rows are far
     below ``SCORE_BYTES`` too): each document alone vs SP on a ring of 2 (sp 2), so the ring ranks' zigzag portions
-    of the queries take them too. HY-V4 runs in float64 (``family_harness.FLOAT64``)."""
+    of the queries take them too. HY-V4 is judged with its float64 run (``family_harness.NEAR_THE_BAR``)."""
     from tests.family_harness import families
     from tests.harness import run_distributed
 
@@ -392,19 +413,6 @@ def test_dsa_families_are_exact_on_the_gathered_kernel_and_streamed_keys():
         for model_type in DSA_FAMILIES:
             outcome = payload[variant][model_type]
             assert outcome["status"] == "exact", (variant, model_type, outcome["detail"])
-
-
-@pytest.mark.dist
-def test_hy_v4_gap_is_round_off():
-    """HY-V4 (top-k crossed under the rows) sits closest to the bar of the DSA families in fp32 (its hyper-connection
-    parameters' gradients are sums over tokens with cancellation): wholly in float64 the same SP run agrees with one
-    process to ~1e-14, so that gap is round-off, not SP (``tests/float64_check.py``)."""
-    from tests.float64_check import float64_errors
-    from tests.harness import run_distributed
-
-    for errors in run_distributed(2, float64_errors, "hy_v4", "HYV4ForCausalLM", True):
-        assert isinstance(errors, dict), errors
-        assert 1e-9 < errors["fp32"] <= EXACT and errors["fp64"] < 1e-11, errors
 
 
 def test_pooled_checks_pass_and_catch_what_they_guard(monkeypatch):

@@ -6,9 +6,8 @@ import os
 import pytest
 
 from tests.harness import (
-    EXACT,
     Case,
-    assert_within,
+    assert_case,
     compare,
     sp_runs_by_world,
 )
@@ -74,6 +73,6 @@ def test_sp_matches_single_process(case, sp_results):
         with open(REPORT, "a") as f:
             f.write(json.dumps({"case": case.name, "sp": case.sp_size, "world": case.world_size, **diffs}) + "\n")
     assert got["global_step"] == ref["global_step"] == case.steps
-    assert_within(case.name, diffs, EXACT)
+    assert_case(case, diffs, ref)
     if case.masked_prompt:
         assert got["empty_shards"] > 0, "the case was meant to contain shards whose labels are all -100"

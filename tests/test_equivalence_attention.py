@@ -6,6 +6,7 @@ import torch
 
 from hf_sp_trainer.attention.gathered_keys import GATHER_ABOVE_ENV as GATHER
 from hf_sp_trainer.validate import validate_model_for_sp
+from tests.exactness import assert_exact
 from tests.harness import EXACT, Case, check_sp_case, run_distributed, sp_runs_by_world, tiny_model, unwrap_results
 
 pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
@@ -205,7 +206,7 @@ def test_other_sink_families_forward_match_single_process():
     for result in unwrap_results(run_distributed(2, _sink_family_forwards, timeout=600)):
         for name in SINK_FAMILIES:
             assert result[f"{name}_control"] > 1e-2, result  # the sinks matter
-            assert max(result[f"{name}_ring1"], result[f"{name}_ring2"]) <= EXACT, result
+            assert_exact(f"{name} sinks forward", {f"ring {r}": result[f"{name}_ring{r}"] for r in (1, 2)})
 
 
 @pytest.fixture(scope="module")

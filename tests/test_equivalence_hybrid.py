@@ -6,6 +6,7 @@ document apart, at every sp_size)."""
 import pytest
 import torch
 
+from tests.exactness import assert_exact
 from tests.harness import EXACT, PURE_SSM, Case, check_sp_case, sp_runs_by_world, tiny_model
 from tests.sft_harness import SFTCase
 
@@ -138,8 +139,8 @@ def test_sp_size_1_keeps_packed_documents_apart(family, tmp_path):
     ref = _sp1_run(family, pad_rows, False, str(tmp_path / "ref"))
     leaky = _sp1_run(family, packed, False, str(tmp_path / "leaky"))
     rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
-    assert max(abs(a / b - 1) for a, b in zip(ours["losses"], ref["losses"], strict=True)) <= EXACT
-    assert rel(ours["params"], ref["params"]) <= EXACT
+    losses = max(abs(a / b - 1) for a, b in zip(ours["losses"], ref["losses"], strict=True))
+    assert_exact(f"{family} sp 1 packed", {"losses": losses, "params": rel(ours["params"], ref["params"])})
     assert rel(leaky["params"], ref["params"]) > 10 * rel(ours["params"], ref["params"])
 
 

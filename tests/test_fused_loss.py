@@ -12,10 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_sp_trainer.losses.fused import has_fused_loss
 from tests.harness import (
-    EXACT,
     VOCAB,
     Case,
-    assert_within,
+    assert_case,
     backend_args,
     compare,
     quiet_args,
@@ -154,7 +153,7 @@ def _check(case: FusedCase, ref: dict, got: dict) -> None:
     diffs = compare(ref, got)
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
     assert len(got["losses"]) == case.steps
-    assert_within(case.name, diffs, EXACT)
+    assert_case(case, diffs, ref)
     for phase, fused_rows, full_rows in zip(("train", "eval"), got["head_rows"], ref["head_rows"], strict=True):
         assert fused_rows < full_rows, f"{case.name}: fused {phase} should call the LM head on chunks"
     if case.masked_prompt and case.sp_size > 1:
@@ -172,9 +171,10 @@ def test_fused_matches_unfused_sp2(case, sp2_results):
 def test_fused_with_sharded_lm_head(case, sp2_results, tmp_path):
     """FSDP2 / ZeRO-3 shard the LM-head weight; the fused loss still gives the single-process training."""
     got = sp2_results[case.name]
-    diffs = compare(train_case(case, sp=False, out_dir=str(tmp_path)), got)
+    ref = train_case(case, sp=False, out_dir=str(tmp_path))
+    diffs = compare(ref, got)
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
-    assert_within(case.name, diffs, EXACT)
+    assert_case(case, diffs, ref)
     # unfused: one LM-head call per step; fused: 2 chunks, each run again in backward
     assert got["train_head_calls"] >= 4 * case.steps, got["train_head_calls"]
 

@@ -1,5 +1,5 @@
-"""The session's gloo pool (``tests/pool.py``): a case starts as a freshly spawned rank did, and a case that fails or
-hangs leaves nothing behind for the next one."""
+"""The session's gloo pool (``tests/pool.py``): a case starts as a freshly spawned rank did (the package's module
+constants and functions included), and a case that fails or hangs leaves nothing behind for the next one."""
 
 from __future__ import annotations
 
@@ -22,8 +22,13 @@ def _leave_a_mess(tmp: str) -> int:
     os.environ["HF_SP_POOL_TEST"] = "left over"
     os.environ.pop("OMP_NUM_THREADS")
     torch.set_default_dtype(torch.float64)
+    torch.set_float32_matmul_precision("medium")
     torch.manual_seed(123)
     os.chdir(tmp)
+    from hf_sp_trainer.attention import dsa, gathered_keys
+
+    gathered_keys.GATHER_ABOVE, dsa.SCORE_BYTES = 0, 1024  # what the DSA kernel test once left for later cases
+    dsa._streamed_topk = lambda *args, **kwargs: None
     return os.getpid()
 
 
@@ -31,14 +36,18 @@ def _what_a_case_sees() -> dict:
     import torch
     import torch.distributed as dist
 
+    from hf_sp_trainer.attention import dsa, gathered_keys
+
     return {
         "pid": os.getpid(),
         "initialized": dist.is_initialized(),
         "env": (os.environ.get("HF_SP_POOL_TEST"), os.environ["OMP_NUM_THREADS"], os.environ["WORLD_SIZE"]),
         "rank": os.environ["RANK"],
         "dtype": str(torch.get_default_dtype()),
+        "precision": (torch.get_float32_matmul_precision(), torch.backends.mkldnn.matmul.fp32_precision),
         "seed": torch.initial_seed(),
         "cwd": os.getcwd(),
+        "dsa": (gathered_keys.GATHER_ABOVE, dsa.SCORE_BYTES, dsa._streamed_topk.__name__),
     }
 
 
@@ -52,7 +61,8 @@ def test_a_case_starts_as_a_fresh_rank(tmp_path):
     assert after[0]["env"] == (None, "1", "2") and after[0]["dtype"] == "torch.float32"
     assert after[0]["seed"] == 67280421310721  # torch's default seed, every case (a fresh rank's was arbitrary)
     fresh = unwrap_results(run_distributed(2, _what_a_case_sees, fresh=True))
-    same = ("initialized", "env", "rank", "dtype", "cwd")
+    assert after[0]["dsa"] == (80, before[0]["dsa"][1], "_streamed_topk")  # the package's module state as imported
+    same = ("initialized", "env", "rank", "dtype", "cwd", "dsa", "precision")
     assert [{k: r[k] for k in same} for r in fresh] == [{k: r[k] for k in same} for r in after]
 
 

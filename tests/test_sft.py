@@ -2,7 +2,8 @@
 
 import pytest
 
-from tests.harness import EXACT, sp_runs_by_world
+from tests.exactness import assert_exact
+from tests.harness import sp_runs_by_world
 from tests.sft_harness import SFTCase
 
 pytestmark = pytest.mark.dist  # spawned gloo worlds (tests/pool.py)
@@ -40,8 +41,7 @@ def test_sp_sft_matches_single_process(case, sp_results):
     print(case.name, {k: f"{v:.2e}" for k, v in diffs.items()})
     assert got["global_step"] == ref["global_step"] == case.steps
     assert got["is_peft"] == ref["is_peft"] == ("PeftModel" if case.lora else "LlamaForCausalLM")
-    for key in ("loss", "grad_norm", "eval_loss", "params"):
-        assert diffs[key] <= EXACT, f"{case.name}: {key} differs by {diffs[key]:.3e} (relative)"
+    assert_exact(case.name, {key: diffs[key] for key in ("loss", "grad_norm", "eval_loss", "params")})
     accuracies = list(zip(got["token_accuracy"], ref["token_accuracy"], strict=True))
     if case.name == "packing_wrapped":
         # TRL gathers its metric sums with `gather_for_metrics`, which on the last batch of an uneven epoch keeps only

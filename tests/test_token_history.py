@@ -53,12 +53,13 @@ def test_dilated_weight_matches_torch_conv():
 
 
 @pytest.mark.dist
-def test_qwen4_exp_gap_is_round_off():
-    """The family suite's Qwen4-Exp (PLE layers, query-sparse attention, Gated DeltaNet) at sp 4 sits near the bar in
-    fp32 (8e-6); wholly in float64 the same SP run agrees with one process to ~1e-14: round-off, not SP."""
-    from tests.float64_check import float64_errors
-    from tests.harness import EXACT, run_distributed
+def test_qwen4_exp_is_exact_at_sp4():
+    """The family suite's Qwen4-Exp (PLE layers, query-sparse attention, Gated DeltaNet) at sp 4 as Ulysses 4 (the
+    suite runs sp 2 and Ulysses 2 x ring 2): its fp32 gap sits near the bar (8e-6 to 2e-5 by host), so it is judged
+    with its float64 run (``tests/exactness.py``, ``family_harness.NEAR_THE_BAR``)."""
+    from tests.family_harness import run_families
+    from tests.harness import run_distributed, unwrap_results
 
-    for errors in run_distributed(4, float64_errors, "qwen4_exp_text", "Qwen4ExpForCausalLM", False):
-        assert isinstance(errors, dict), errors
-        assert 1e-9 < errors["fp32"] <= EXACT and errors["fp64"] < 1e-11, errors
+    names = [("qwen4_exp_text", "Qwen4ExpForCausalLM")]
+    outcome = unwrap_results(run_distributed(4, run_families, names, 4, None))[0]["default"]["qwen4_exp_text"]
+    assert outcome["status"] == "exact" and outcome["float64"] is not None, outcome

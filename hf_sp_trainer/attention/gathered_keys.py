@@ -24,6 +24,7 @@ import torch
 # gather when the sequence holds at least this many times the top-k keys (CPU break-even near 75: module docstring)
 GATHER_ABOVE = 80
 GATHER_ABOVE_ENV = "HF_SP_DSA_GATHER_ABOVE"  # overrides it, e.g. with a GPU's own crossover (0: always gather)
+LOGITS_AT_LEAST = torch.float32  # the logits' operands widened to at least this (as fused kernels keep fp32 scores)
 
 
 def gathers(topk: int, seq: int) -> bool:
@@ -88,7 +89,7 @@ def attend_gathered_tile(
     keys = key_rows.index_select(0, rows).view(-1, topk, dk)  # [b kv_heads tile, topk, dk]
     values = value_rows.index_select(0, rows).view(-1, topk, value_rows.shape[-1])
     grouped = q.view(b, kv_heads, group, tile, dk).transpose(2, 3).reshape(-1, group, dk)
-    wide = torch.promote_types(q.dtype, torch.float32)  # fp32 logits from bf16 operands, as the fused kernels keep
+    wide = torch.promote_types(q.dtype, LOGITS_AT_LEAST)  # fp32 logits from bf16 operands
     logits = torch.bmm(grouped.to(wide), keys.to(wide).transpose(1, 2)) * scale  # [b kv_heads tile, group, topk]
     mask = seen.unsqueeze(1).expand(b, kv_heads, tile, topk).reshape(-1, 1, topk)
     none_seen = ~mask.any(-1, keepdim=True)
