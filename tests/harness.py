@@ -259,7 +259,6 @@ def init_large_sinks(model, seed: int = 0) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # process groups
 # ----------------------------------------------------------------------------------------------------------------
-REPORT_KEYS = ("loss", "grad_norm", "eval_loss", "params", "predict", "test_loss")
 FP64_EXACT = 1e-12  # the same in float64 (kernel-level checks run in fp64 where they can)
 BF16_TOL = 3e-2  # bf16 on both sides: 8 mantissa bits, ~4e-3 per rounding, a few steps of drift
 
@@ -737,8 +736,7 @@ def reference_runs(cases: list) -> dict[str, Callable[[], dict]]:
 
 def check_sp_case(case, runs: CaseRuns, tol: float) -> dict:
     """``case``'s SP run against its single-process run (both from ``sp_runs_by_world``): the optimizer steps, and
-    every reported difference exact (``tol`` ``EXACT``: ``exactness.judge``, its float64 run ``float64_case_gaps``)
-    or within ``tol``; the differences."""
+    every reported difference exact (``tol`` ``EXACT``: ``assert_case``) or within ``tol``; the differences."""
     got = runs.got(case)
     ref = runs.reference(case)
     diffs = compare(ref, got)
@@ -746,6 +744,12 @@ def check_sp_case(case, runs: CaseRuns, tol: float) -> dict:
     assert got["global_step"] == ref["global_step"] == case.steps
     assert_case(case, diffs, ref, tol)
     return diffs
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# comparison
+# ----------------------------------------------------------------------------------------------------------------
+REPORT_KEYS = ("loss", "grad_norm", "eval_loss", "params", "predict", "test_loss")
 
 
 def assert_case(case, diffs: dict[str, float], ref32: dict, tol: float = EXACT, float64: bool = True) -> None:

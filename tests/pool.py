@@ -20,8 +20,7 @@ tears down and resets (``_end_case``) before it answers, so a world that answere
 - the package's ``functools`` caches (e.g. ``sp_topology``, which holds process groups);
 - the package's module constants and the functions and classes its modules define, as imported (a case that sets
   ``gathered_keys.GATHER_ABOVE`` or wraps ``dsa._streamed_topk`` and doesn't undo it changed the kernels, and so
-  the round-off, of every later case on that world); every package module is imported when the rank starts, so
-  that what a case changes is known as imported;
+  the round-off, of every later case on that world): recorded as each module is imported (``PackageState``);
 - the environment (every variable the case set, changed or removed) and the working directory;
 - the random seeds (torch back to its fresh-process default seed; ``random`` / numpy seeded 0) -- set before each case.
 
@@ -45,6 +44,8 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
+import importlib.abc
+import inspect
 import os
 import pickle
 import random
@@ -306,7 +307,7 @@ class Baseline:
     def __init__(self) -> None:
         import torch
 
-        self.package = package_state()  # first: what importing the package sets is part of the baseline
+        self.package = PackageState()
         self.env = dict(os.environ)
         self.cwd = os.getcwd()
         self.dtype = torch.get_default_dtype()
@@ -344,7 +345,7 @@ class Baseline:
         warnings.filters[:] = self.warning_filters
         getattr(warnings, "_filters_mutated", lambda: None)()  # forget what "once" filters have shown
         self._reset_libraries()
-        restore_package(self.package)
+        self.package.restore()
         for cache in _package_caches():
             cache.cache_clear()
         gc.collect()
@@ -415,36 +416,54 @@ def _backend(path: str):
     return obj
 
 
-def package_state() -> dict[str, dict[str, Any]]:
-    """Every module of the package (all imported now), its constants (upper-case names) and the functions and
-    classes it defines: name -> value, per module."""
-    import importlib
-    import inspect
-    import pkgutil
+class PackageState(importlib.abc.MetaPathFinder):
+    """Each module of the package as imported: its constants (upper-case names) and the functions and classes it
+    defines, name -> value, per module (``modules``). The modules imported already are read now; every later one
+    right after its import (this finder wraps its loader's ``exec_module``), so what a case changes in a module it
+    imported itself is known too."""
 
-    import hf_sp_trainer
+    def __init__(self) -> None:
+        self.modules: dict[str, dict[str, Any]] = {m.__name__: _module_state(m) for m in _package_modules()}
+        sys.meta_path.insert(0, self)
 
-    for info in pkgutil.walk_packages(hf_sp_trainer.__path__, "hf_sp_trainer."):
-        importlib.import_module(info.name)
+    def find_spec(self, name: str, path, target=None):
+        if name.split(".")[0] != "hf_sp_trainer":
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else getattr(finder, "find_spec", lambda *a: None)(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            run = spec.loader.exec_module
 
-    def kept(module, name: str, value) -> bool:
+            def exec_module(module) -> None:
+                run(module)
+                self.modules[module.__name__] = _module_state(module)
+
+            spec.loader.exec_module = exec_module  # this module's own loader object
+        return spec
+
+    def restore(self) -> list[str]:
+        """Put back what a case rebound of the recorded names; the names put back."""
+        restored = []
+        for module_name, names in self.modules.items():
+            module = sys.modules.get(module_name)
+            for name, value in names.items() if module is not None else ():
+                if vars(module).get(name, restored) is not value:
+                    setattr(module, name, value)
+                    restored.append(f"{module_name}.{name}")
+        return restored
+
+
+def _module_state(module) -> dict[str, Any]:
+    def kept(name: str, value) -> bool:
         if name.strip("_").isupper():
             return True
         return (inspect.isfunction(value) or inspect.isclass(value)) and value.__module__ == module.__name__
 
-    return {m.__name__: {k: v for k, v in vars(m).items() if kept(m, k, v)} for m in _package_modules()}
-
-
-def restore_package(state: dict[str, dict[str, Any]]) -> list[str]:
-    """Put back what a case rebound of ``package_state``'s names; the names put back."""
-    restored = []
-    for module_name, names in state.items():
-        module = sys.modules[module_name]
-        for name, value in names.items():
-            if vars(module).get(name, restored) is not value:
-                setattr(module, name, value)
-                restored.append(f"{module_name}.{name}")
-    return restored
+    return {k: v for k, v in vars(module).items() if kept(k, v)}
 
 
 def _registries() -> list:
