@@ -41,6 +41,8 @@ def test_judge_runs_float64_only_past_the_bar_or_when_forced(tmp_path, monkeypat
     assert judge("forced", 5e-6, rerun, force=True).float64 == 1e-14 and len(calls) == 2
     assert not judge("no float64 version", 2e-5, None).exact
     log = tmp_path / "verdicts.jsonl"
+    for switch in ("MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA"):
+        monkeypatch.delenv(switch, raising=False)
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     record(Verdict("logged", 2e-5, "w", 1e-14, 1e-5), str(log))
     line = json.loads(log.read_text())

@@ -15,6 +15,7 @@ from hf_sp_trainer.memory.tiled_mlp import TiledMLP, apply_tiled_mlp, remove_til
 from tests.harness import (
     EXACT,
     FAMILIES,
+    FP64_EXACT,
     Case,
     assert_case,
     compare,
@@ -60,7 +61,9 @@ def _max_rel(a: dict, b: dict) -> float:
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_tiled_mlp_is_the_mlp(family):
-    ref = tiny_model(family).train()
+    """In float64: tiling reorders the MLP's weight-gradient sums, whose fp32 round-off depends on the host's kernels
+    (Doge 2.3e-5 under ``MKL_ENABLE_INSTRUCTIONS=AVX2``)."""
+    ref = tiny_model(family).double().train()
     model = copy.deepcopy(ref)
     assert apply_tiled_mlp(model, num_shards=4) == ref.config.num_hidden_layers
     assert list(model.state_dict()) == list(ref.state_dict())  # names unchanged
@@ -72,8 +75,8 @@ def test_tiled_mlp_is_the_mlp(family):
     ref_loss, ref_grads = _loss_and_grads(ref, ids)
     loss, grads = _loss_and_grads(model, ids)
     assert set(calls.values()) == {4 + 4}  # 4 tiles in forward, each recomputed once in backward
-    assert abs(float(loss - ref_loss)) <= 1e-6 * abs(float(ref_loss))
-    assert _max_rel(grads, ref_grads) <= EXACT
+    assert abs(float(loss - ref_loss)) <= FP64_EXACT * abs(float(ref_loss))
+    assert _max_rel(grads, ref_grads) <= 1e3 * FP64_EXACT  # relative per tensor: small gradients' own round-off
     remove_tiled_mlp(model)
     assert not any(isinstance(m, TiledMLP) for m in model.modules())
 
