@@ -101,6 +101,16 @@ def record(verdict: Verdict, path: str | None = None) -> None:
             f.write(json.dumps(asdict(verdict) | {"exact": verdict.exact, "profile": profile()}) + "\n")
 
 
+def capped_below_amx() -> str | None:
+    """Why torch's AMX kernels can't run under this round-off profile, or None: ``ATEN_CPU_CAPABILITY`` below
+    AVX-512 on an AMX CPU, where torch 2.13's bf16 SDPA raises (``pack_vnni2``) and its compiled flex_attention
+    segfaults. No real host has that profile (a CPU without AVX-512 has no AMX either): tests of those kernels skip."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if torch.cpu._is_amx_tile_supported() and capability not in ("AVX512", "ZVECTOR"):
+        return f"torch's AMX kernels (bf16 SDPA, compiled flex_attention) fail on an AMX CPU capped at {capability}"
+    return None
+
+
 def profile() -> str:
     """The round-off profile this process runs under: the switches that change torch's CPU kernels."""
     switches = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")

@@ -6,7 +6,6 @@ negative controls). Over gloo ranks: the family suite (every DSA family, top-k c
 from __future__ import annotations
 
 import functools
-import os
 import sys
 
 import pytest
@@ -337,6 +336,7 @@ def test_gathered_kernel_in_bf16_is_as_close_as_the_dense_one(monkeypatch):
     negative control: 1.13x the dense one's here). The bars leave room for other hosts' bf16 kernels: within 10% of
     SDPA's error, and below the control's on the same host (the one difference being the logits' dtype)."""
     from hf_sp_trainer.attention import gathered_keys
+    from tests.exactness import capped_below_amx
 
     gen = torch.Generator().manual_seed(5)
     leaves = [torch.randn(1, 4, 64, 16, generator=gen) * scale for scale in (8, 8, 1)]  # q, k: logits ~ 60
@@ -355,21 +355,12 @@ def test_gathered_kernel_in_bf16_is_as_close_as_the_dense_one(monkeypatch):
         return max(float((g - r).abs().max() / r.abs().max()) for g, r in zip(got, reference, strict=True))
 
     reference = run(torch.float64, False)
-    try:
-        errors = {gather: error(run(torch.bfloat16, gather)) for gather in (False, True)}
-    except RuntimeError as exc:
-        _skip_where_bf16_sdpa_cannot_run(exc)
+    if capped_below_amx():
+        pytest.skip(capped_below_amx())
+    errors = {gather: error(run(torch.bfloat16, gather)) for gather in (False, True)}
     monkeypatch.setattr(gathered_keys, "LOGITS_AT_LEAST", torch.bfloat16)
     errors["bf16 logits"] = error(run(torch.bfloat16, True))
     assert errors[True] <= 1.1 * errors[False] and errors[True] < 0.95 * errors["bf16 logits"], errors
-
-
-def _skip_where_bf16_sdpa_cannot_run(exc: RuntimeError) -> None:
-    """torch's bf16 SDPA on an AMX CPU raises where ``ATEN_CPU_CAPABILITY`` caps torch's kernels below AVX-512 (its
-    ``pack_vnni2``): a round-off profile no real host has (a CPU without AVX-512 has no AMX either). Else ``exc``."""
-    if "pack_vnni2" not in str(exc):
-        raise exc
-    pytest.skip(f"torch's bf16 SDPA under ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY')}: {exc}")
 
 
 DSA_FAMILIES = ("deepseek_v32", "glm_moe_dsa", "hy_v4", "axk2", "dots3_note_text")  # Mistral-Large-4: a VLM decoder
