@@ -76,7 +76,9 @@ def tabulate(out: str, runs: list[dict]) -> dict:
         logs = sorted(glob.glob(os.path.join(out, f"{profile}-*.jsonl")))
         if not logs:
             continue
-        verdicts = [json.loads(line) for path in logs for line in open(path)]
+        logged = [json.loads(line) for path in logs for line in open(path)]
+        verdicts = [v for v in logged if not v.get("control")]  # the negative controls: counted apart
+        controls = [v for v in logged if v.get("control")]
         worst: dict[str, dict] = {}
         for v in verdicts:  # per comparison, its worst run
             if v["name"] not in worst or margin(v) > margin(worst[v["name"]]):
@@ -88,6 +90,7 @@ def tabulate(out: str, runs: list[dict]) -> dict:
             "runs": len(logs),
             "comparisons": len(verdicts),
             "not_exact": sorted({v["name"] for v in verdicts if not v["exact"]}),
+            "controls_caught": f"{sum(not v['exact'] for v in controls)} of {len(controls)}",
             "past_exact": len({v["name"] for v in verdicts if v["fp32"] > EXACT}),
             "worst_fp32": max(v["fp32"] for v in verdicts),
             "same_every_run": all(len({(v["fp32"]) for v in verdicts if v["name"] == n}) == 1 for n in worst),
@@ -107,11 +110,11 @@ def tabulate(out: str, runs: list[dict]) -> dict:
 
 
 def markdown(summary: dict) -> str:
-    lines = ["| profile | runs | comparisons | not exact | past 1e-5 (float64 run) | worst fp32 | same every run |"]
-    lines.append("| --- | --- | --- | --- | --- | --- | --- |")
+    lines = ["| profile | runs | comparisons | not exact | past 1e-5 (float64 run) | worst fp32 | same every run | "
+             "negative controls caught |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for profile, s in summary.items():
         lines.append(f"| {profile} | {s['runs']} | {s['comparisons']} | {len(s['not_exact'])} | {s['past_exact']} | "
-                     f"{s['worst_fp32']:.2e} | {s['same_every_run']} |")  # fmt: skip
+                     f"{s['worst_fp32']:.2e} | {s['same_every_run']} | {s['controls_caught']} |")  # fmt: skip
     for profile, s in summary.items():
         lines += ["", f"**{profile}** closest to their bar:", ""]
         lines += [f"- {c['name']}: fp32 {c['fp32']:.2e}, {c['of_bar']:.2f} of its bar" for c in s["closest"]]

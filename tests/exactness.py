@@ -48,6 +48,7 @@ class Verdict:
     where: str = ""
     float64: float | None = None
     round_off: float | None = None
+    control: bool = False  # a negative control's (an injected SP error): to be caught
 
     @property
     def exact(self) -> bool:
@@ -68,14 +69,20 @@ class Verdict:
 
 
 def judge(
-    name: str, fp32: float, float64_run: Callable[[], tuple[float, float]] | None, where: str = "", force: bool = False
+    name: str,
+    fp32: float,
+    float64_run: Callable[[], tuple[float, float]] | None,
+    where: str = "",
+    force: bool = False,
+    control: bool = False,
 ) -> Verdict:
     """The rule above. ``float64_run()``: ``(float64 gap, one-process fp32 round-off)``, called only past ``EXACT``
-    (or with ``force``: the float64 run wanted anyway); None where the comparison has no float64 version."""
+    (or with ``force``: the float64 run wanted anyway); None where the comparison has no float64 version.
+    ``control``: a negative control's comparison (recorded as one)."""
     float64 = round_off = None
     if (fp32 > EXACT or force) and float64_run is not None:
         float64, round_off = float64_run()
-    verdict = Verdict(name, fp32, where, float64, round_off)
+    verdict = Verdict(name, fp32, where, float64, round_off, control)
     record(verdict)
     return verdict
 

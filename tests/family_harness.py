@@ -527,7 +527,7 @@ def judged(outcome: dict, model_type: str, class_name: str, sp_size: int, ring_s
         return outcome
     name = f"{model_type} sp{sp_size}" + (f" ring{ring_size}" if ring_size else "") + (" crossed" if crossed else "")
     rerun = lambda: float64_gaps(model_type, class_name, sp_size, ring_size, crossed, refs32, inject)  # noqa: E731
-    verdict = judge(name, outcome["error"], rerun, outcome["where"], force=model_type in NEAR_THE_BAR)
+    verdict = judge(name, outcome["error"], rerun, outcome["where"], model_type in NEAR_THE_BAR, inject is not None)
     detail = f"max rel err {verdict.fp32:.1e}"
     if verdict.float64 is not None:
         detail += f" (float64 {verdict.float64:.1e}; fp32 round-off of one process {verdict.round_off:.1e})"

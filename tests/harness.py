@@ -785,7 +785,7 @@ def case_verdict(case, diffs: dict[str, float], ref32: dict, force: bool = False
         return worst_reported(compare(ref64, sp64))[0], worst_reported(compare(ref64, ref32))[0]
 
     fp32, key = worst_reported(diffs)
-    return judge(case.name, fp32, float64_run, key, force)
+    return judge(case.name, fp32, float64_run, key, force, control=case.inject is not None)
 
 
 def assert_within(name: str, diffs: dict[str, float], tol: float) -> None:

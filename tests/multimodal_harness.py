@@ -757,7 +757,8 @@ def judged_case(case: Case, sp_size: int, inject: tuple[float, bool] | None = No
         wide = run_case(case, sp_size, float64=True, inject=inject)
         return wide["error"], worst_error(wide["reference"], result["reference"])[0]
 
-    verdict = judge(case.name, float(fp32), float64_run, result["where"], force=case.family in NEAR_THE_BAR)
+    near, control = case.family in NEAR_THE_BAR, inject is not None
+    verdict = judge(case.name, float(fp32), float64_run, result["where"], near, control)
     del result["reference"]
     return result | {"exact": verdict.exact, "verdict": str(verdict), "float64": verdict.float64}
 
