@@ -7,6 +7,7 @@ the SP trainers give each SP group the seed of its data-parallel rank (``OnlineR
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import random
@@ -50,6 +51,9 @@ class RLCase:
     tol: float = EXACT
     no_op: bool = False  # greedy: every advantage is 0
     compare: bool = True  # False: no TRL run gives the same samples (split generation, sampled)
+    vllm: bool = False  # TRL's colocated vLLM engine generates (tests/vllm: the vLLM tier's environment)
+    reference: str = "trl"  # the one-process run: "trl" (TRL's trainer), "sp1" (ours at sp_size=1, same sp_config)
+    control: str | None = None  # a negative control's injected error (tests/vllm/rollout_cases.py)
 
     @property
     def dp_size(self) -> int:
@@ -117,11 +121,12 @@ def train_rl_case(case: RLCase, sp: bool, out_dir: str) -> dict:
     config_name, trainer_name = {"grpo": ("GRPOConfig", "GRPOTrainer"), "rloo": ("RLOOConfig", "RLOOTrainer")}[
         case.trainer
     ]
-    if sp:
+    ours = sp or case.reference == "sp1"
+    if ours:
         config_cls, trainer_cls = getattr(hst, config_name), getattr(hst, "SP" + trainer_name)
     else:
         config_cls, trainer_cls = getattr(trl, config_name), getattr(trl, trainer_name)
-    dp = dist.get_world_size() // (case.sp_size if sp else 1) if dist.is_initialized() else 1
+    dp = int(os.environ.get("WORLD_SIZE", "1")) // (case.sp_size if sp else 1)  # (set before the process group)
     common = quiet_args(out_dir, case.steps) | dict(
         learning_rate=1e-3,
         per_device_train_batch_size=case.prompts_per_step * case.num_generations // dp,
@@ -139,26 +144,38 @@ def train_rl_case(case: RLCase, sp: bool, out_dir: str) -> dict:
     common |= case.config
     if sp:
         common |= dict(sp_size=case.sp_size) | backend_args(case.backend) | case.sp_config
+    elif ours:
+        common |= {k: v for k, v in case.sp_config.items() if k != "sp_ring_size"}
+    vllm = None
+    if case.vllm:
+        from tests.vllm import rollout_cases as vllm
+
+        common |= vllm.config_args(ours)
     if dist.is_initialized():
         common |= dict(ddp_backend="gloo")
-    model = tiny_model(case.family)
-    if case.ref:
+    model = tiny_model(case.family, **(vllm.MODEL if vllm else {}))
+    if case.ref or vllm:
         model = save_policy(model, os.path.join(out_dir, "policy"))
+        if vllm:
+            build_char_tokenizer().save_pretrained(model)  # the engine loads the model's directory
         common["model_init_kwargs"] = {"dtype": torch.float32, "attn_implementation": "sdpa"}
     peft_config = None
     if case.lora:
         peft_config = peft.LoraConfig(
             r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "up_proj"], task_type="CAUSAL_LM"
         )
-    trainer = trainer_cls(
-        model=model,
-        reward_funcs=recording_reward(seen := []),
-        args=config_cls(**common),
-        train_dataset=rl_dataset(case.prompts_per_step * case.steps * 2, seed=31),
-        eval_dataset=rl_dataset(case.prompts_per_step, seed=32) if case.evaluate else None,
-        processing_class=build_char_tokenizer(),
-        peft_config=peft_config,
-    )
+    with vllm.engine(case, ours) if vllm else contextlib.nullcontext():
+        trainer = trainer_cls(
+            model=model,
+            reward_funcs=recording_reward(seen := []),
+            args=config_cls(**common),
+            train_dataset=rl_dataset(case.prompts_per_step * case.steps * 2, seed=31),
+            eval_dataset=rl_dataset(case.prompts_per_step, seed=32) if case.evaluate else None,
+            processing_class=build_char_tokenizer(),
+            peft_config=peft_config,
+        )
+    if vllm and sp:
+        vllm.inject(case, trainer)
     trainable = {k for k, v in trainer.model.named_parameters() if v.requires_grad}
     init = {k: v for k, v in full_parameters(trainer.model).items() if k in trainable}
     shards = count_shards(trainer.model.get_base_model() if case.lora else trainer.model) if sp else {}
@@ -167,6 +184,8 @@ def train_rl_case(case: RLCase, sp: bool, out_dir: str) -> dict:
     evals = [e for e in trainer.state.log_history if "eval_loss" in e]
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     params = {k: v for k, v in full_parameters(trainer.model).items() if k in trainable}  # collective: every rank
+    if vllm:
+        vllm.release(trainer)
     return {
         "logs": [{k: v for k, v in e.items() if k not in SKIPPED} for e in logs],
         "evals": [{k: v for k, v in e.items() if k not in SKIPPED_EVAL} for e in evals],
@@ -178,6 +197,7 @@ def train_rl_case(case: RLCase, sp: bool, out_dir: str) -> dict:
         "throughput_tokens": logged_throughput_tokens(logs),
         "sp_ranks_agree": same_within_sp_groups(seen, case.sp_size) if sp and dist.is_initialized() else True,
         "split_generations": getattr(trainer, "_sp_generation_calls", 0),
+        "completions": seen if rank0 and vllm else None,
     }
 
 
@@ -318,11 +338,12 @@ def diffs(ref: dict, got: dict) -> dict[str, float]:
                 # The loss is a mean of advantage-weighted ratios, +-O(1) terms that cancel to ~0 on-policy: it is
                 # compared relative to max(|loss|, 1), the size of its terms. The KL is a mean of differences of
                 # per-token log-probs (policy - reference): relative to the size of those, for which the logged
-                # entropy (the mean -log p) stands in.
+                # entropy (the mean -log p) stands in. Alike vLLM's sampling log-probs' distance from the trainer's.
                 if key.endswith("loss"):
                     d = abs(g[key] - value) / max(abs(value), 1.0)
-                elif key.endswith("kl"):
-                    d = abs(g[key] - value) / max(abs(value), r["entropy" if key == "kl" else "eval_entropy"])
+                elif key.endswith("kl") or "sampling_logp_difference" in key:  # (vLLM's log-probs vs the trainer's)
+                    entropy = r["eval_entropy" if key.startswith("eval_") else "entropy"]
+                    d = abs(g[key] - value) / max(abs(value), entropy)
                 else:
                     d = rel(g[key], value)
                 out[key] = max(out.get(key, 0.0), d)

@@ -362,6 +362,12 @@ class Baseline:
             state.GradientState._reset_state()
         if "transformers.integrations.deepspeed" in sys.modules:
             sys.modules["transformers.integrations.deepspeed"].unset_hf_deepspeed_config()
+        if "vllm.distributed.parallel_state" in sys.modules:  # a colocated engine's groups died with the world
+            state = sys.modules["vllm.distributed.parallel_state"]
+            for name, value in vars(state).items():
+                if name.isupper() and name.startswith("_") and (value is None or hasattr(value, "device_group")):
+                    setattr(state, name, None)
+            state._NODE_COUNT = None
         if "deepspeed.comm.comm" in sys.modules:
             sys.modules["deepspeed.comm.comm"].cdb = None  # its backend object wraps the destroyed group
         if "deepspeed.utils.groups" in sys.modules:

@@ -96,10 +96,17 @@ def _cases(tmp):
         apply_sequence_parallel(model, 2)
         model(input_ids=torch.randint(3, 100, (1, 8)), logits_to_keep=1)
 
-    def grpo_with_vllm():
+    def grpo_with_vllm_server():
         from hf_sp_trainer import GRPOConfig
 
-        GRPOConfig(output_dir=tmp, sp_size=2, use_vllm=True, use_cpu=True, report_to="none")
+        GRPOConfig(output_dir=tmp, sp_size=2, use_vllm=True, vllm_mode="server", use_cpu=True, report_to="none")
+
+    def grpo_vllm_tensor_parallel_not_over_the_group():
+        from hf_sp_trainer import GRPOConfig
+
+        GRPOConfig(
+            output_dir=tmp, sp_size=2, use_vllm=True, vllm_tensor_parallel_size=2, use_cpu=True, report_to="none"
+        )
 
     def grpo_with_rollout_func():
         from hf_sp_trainer import GRPOConfig, SPGRPOTrainer
@@ -134,7 +141,8 @@ def _cases(tmp):
         padding_on_one_rank_only,
         shard_lengths_differ,
         logits_to_keep_under_sp,
-        grpo_with_vllm,
+        grpo_with_vllm_server,
+        grpo_vllm_tensor_parallel_not_over_the_group,
         grpo_with_rollout_func,
     ]
 
@@ -165,7 +173,12 @@ EXPECTED = {
     "padding_on_one_rank_only": ["attention_mask", "padding zeros"],
     "shard_lengths_differ": ["different shapes"],
     "logits_to_keep_under_sp": ["logits_to_keep=1", "without logits_to_keep"],
-    "grpo_with_vllm": ["sp_size > 1", "use_vllm", "sp_size=1"],
+    "grpo_with_vllm_server": ["sp_size > 1", "vllm_mode='server'", "vllm_mode='colocate'"],
+    "grpo_vllm_tensor_parallel_not_over_the_group": [
+        "vllm_tensor_parallel_size=2",
+        "sp_generation='replicate'",
+        "sp_generation='split'",
+    ],
     "grpo_with_rollout_func": ["sp_size > 1", "rollout_func", "sp_size=1"],
 }
 

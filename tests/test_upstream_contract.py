@@ -61,6 +61,7 @@ G5N = "transformers.models.glm5_next.modeling_glm5_next"
 DOGE = "transformers.models.doge.modeling_doge"
 INDEXER = ("n_heads", "head_dim", "qk_rope_head_dim", "index_topk", "wq_b", "wk", "k_norm", "weights_proj")
 GRPO, RLOO = "trl.trainer.grpo_trainer.GRPOTrainer", "trl.trainer.rloo_trainer.RLOOTrainer"
+VLLMGEN = "trl.generation.vllm_generation.VLLMGeneration"
 SFT, DPO, KTO, REWARD = (
     "trl.trainer.sft_trainer.SFTTrainer",
     "trl.trainer.dpo_trainer.DPOTrainer",
@@ -221,6 +222,16 @@ CONTRACT: list[Member] = [
            params=("self", "prompt_ids", "images", "multimodal_fields", "num_generations", "has_tool_images")),
     Member(f"{RLOO}._generate_single_turn", "trainers/grpo.py overrides it (generation without SP)",
            params=("self", "prompt_ids", "images", "multimodal_fields")),
+    Member(f"{GRPO}._generate_single_turn", "trainers/rollouts.py: TRL's vLLM path syncs, then generates",
+           refers=("vllm_generation", "_last_loaded_step", "sync_weights", "generate")),
+    Member(f"{VLLMGEN}._init_vllm", "trainers/rollouts.py: the engine is built through the module's LLM (seed)",
+           params=("self",), refers=("LLM", "process_index", "tensor_parallel_size", "external_launcher")),
+    Member(f"{VLLMGEN}._iter_named_params", "trainers/rollouts.py: the CPU weight sync walks it (gathers)",
+           params=("self",)),
+    Member(f"{VLLMGEN}.sync_weights", "trainers/rollouts.py wraps it (checked): in-place load_weights",
+           params=("self",), refers=("_iter_named_params", "load_weights", "reset_prefix_cache", "mode")),
+    Member(f"{VLLMGEN}.generate", "trainers/rollouts.py: one SamplingParams for every prompt of llm.generate",
+           params=("self", "prompts", "images", "num_generations"), refers=("llm", "SamplingParams")),
     Member(f"{GRPO}._generate_and_score_completions", "trainers/grpo.py: the data-parallel view around it",
            params=("self", "inputs"), refers=("gather_object", "process_index", "accelerator")),
     Member(f"{RLOO}._generate_and_score_completions", "trainers/grpo.py: the data-parallel view around it",

