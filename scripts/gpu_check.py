@@ -30,6 +30,9 @@ FLA's kernel once per document segment vs once per list (``cu_seqlens``): time, 
 j_dsa_kernel: DSA's selected-keys attention (16 heads of MLA head dims, bf16, top-2048) on the dense masked kernel vs
 the gathered one at 32K-128K tokens: time, peak and difference (``bench_dsa_kernel.py``), to place
 ``gathered_keys.GATHER_ABOVE`` on a GPU (measured on CPU only).
+k_vllm: the CUDA side of the vLLM rollouts (where vLLM is installed): TRL's in-place weight sync vs the
+``reload_weights`` path, per-request seeds, sleep mode (level-1 sleep / wake times, memory freed, the same completion
+after waking) and generation throughput at 16K and 32K completions (``_gpu_vllm.py``).
 
 Each check runs in its own process (default on CUDA), killed at the global budget: a crash, hang or broken CUDA
 context is recorded and the next check still runs; one that doesn't fit the time left is skipped with a note. The
@@ -59,6 +62,7 @@ from _gpu_attention import sink_mla_checks
 from _gpu_auto import auto_checks
 from _gpu_hybrid import few_autotune_configs, hybrid_checks
 from _gpu_length import length_checks
+from _gpu_vllm import vllm_checks
 from _gpu_vlm import vlm_checks
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # hf_sp_trainer from a checkout
@@ -74,6 +78,7 @@ MIN_SECONDS = {
     "h_auto": 60,
     "i_varlen": 60,
     "j_dsa_kernel": 60,
+    "k_vllm": 60,
 }  # don't start with less
 TOL = {torch.float32: 2e-4, torch.bfloat16: 3e-2}  # on max_rel
 NEEDS_HALF, NO_FLASH = "needs CUDA and fp16/bf16", "flash-attn not installed"
@@ -479,7 +484,7 @@ def run_check(name: str, ctx: Ctx, lengths: list[int]) -> dict:
               "f_vlm": lambda c: vlm_checks(c.device, c.dry),
               "g_length": lambda c: length_checks(c.device, c.dry),
               "h_auto": lambda c: auto_checks(c, small_llama), "i_varlen": check_varlen,
-              "j_dsa_kernel": check_dsa_kernel}  # fmt: skip
+              "j_dsa_kernel": check_dsa_kernel, "k_vllm": lambda c: vllm_checks(c.device, c.dry)}  # fmt: skip
     try:
         rec = {"status": "ok", "result": checks[name](ctx)}
     except Exception as exc:  # noqa: BLE001 - one failing check must not stop the others

@@ -28,6 +28,7 @@ CHECKS = [
     "h_auto",
     "i_varlen",
     "j_dsa_kernel",
+    "k_vllm",
 ]
 
 
@@ -123,6 +124,7 @@ def test_dry_run_report(tmp_path):
     varlen = _ok(report, "i_varlen")  # the CPU has transformers' torch delta rule only: the loop, one call a document
     assert [(r["documents"], r["mode"], r["kernel_calls"]) for r in varlen["rows"]] == [(1, "loop", 1), (8, "loop", 8)]
 
+    assert "vllm is not installed" in _ok(report, "k_vllm")["skipped"]  # the main suite's environment (tests/vllm)
     (dsa_kernel,) = _ok(report, "j_dsa_kernel")["rows"]  # DSA's dense and gathered selected-keys kernels agree
     assert float(dsa_kernel["max_rel_diff"]) < 1e-5 and dsa_kernel["dense_s"] > 0 and dsa_kernel["gathered_s"] > 0
 
