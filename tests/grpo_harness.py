@@ -8,7 +8,6 @@ the SP trainers give each SP group the seed of its data-parallel rank (``OnlineR
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import random
 import string
@@ -292,34 +291,45 @@ def _reference_runs(cases: list[RLCase]) -> dict[str, dict]:
         return {c.name: train_rl_case(c, sp=False, out_dir=os.path.join(tmp, c.name)) for c in cases}
 
 
-@functools.cache
-def sp_results(world_size: int) -> dict[str, dict]:
-    from tests.harness import run_cases, run_distributed, unwrap_results
+class RLRuns:
+    """A list of cases' SP runs (one spawned world per size) and their references, each computed once: TRL's own
+    trainers (or ours at sp_size=1, ``RLCase.reference``) in one process for one dp rank (side by side on the pool's
+    ranks), on ``dp`` plain data-parallel processes otherwise."""
 
-    return unwrap_results(run_distributed(world_size, run_cases, [c for c in CASES if c.world_size == world_size]))[0]
+    def __init__(self, cases: list[RLCase]):
+        self.cases = cases
+        self._done: dict = {}
+
+    def _once(self, key, run):
+        if key not in self._done:
+            self._done[key] = run()
+        return self._done[key]
+
+    def sp_results(self, world_size: int) -> dict[str, dict]:
+        from tests.harness import run_cases, run_distributed, unwrap_results
+
+        cases = [c for c in self.cases if c.world_size == world_size]
+        return self._once(("sp", world_size), lambda: unwrap_results(run_distributed(world_size, run_cases, cases))[0])
+
+    def ddp_references(self, dp_size: int) -> dict[str, dict]:
+        from tests.harness import run_distributed, unwrap_results
+
+        cases = [c for c in self.cases if c.dp_size == dp_size]
+        return self._once(("ddp", dp_size), lambda: unwrap_results(run_distributed(dp_size, _reference_runs, cases))[0])
+
+    def single_process_references(self) -> dict:
+        from tests.harness import reference_runs
+
+        return self._once("one", lambda: reference_runs([c for c in self.cases if c.dp_size == 1 and c.compare]))
+
+    def reference(self, case: RLCase) -> dict:
+        if case.dp_size == 1:
+            return self.single_process_references()[case.name]()
+        return self.ddp_references(case.dp_size)[case.name]
 
 
-@functools.cache
-def ddp_references(dp_size: int) -> dict[str, dict]:
-    """TRL's own trainers on ``dp_size`` plain data-parallel processes, for the cases with that many dp ranks."""
-    from tests.harness import run_distributed, unwrap_results
-
-    cases = [c for c in CASES if c.dp_size == dp_size]
-    return unwrap_results(run_distributed(dp_size, _reference_runs, cases))[0]
-
-
-@functools.cache
-def single_process_references() -> dict:
-    """TRL's own trainers in one process for the compared cases with one dp rank (side by side on the pool's ranks)."""
-    from tests.harness import reference_runs
-
-    return reference_runs([c for c in CASES if c.dp_size == 1 and c.compare])
-
-
-def reference(case: RLCase) -> dict:
-    if case.dp_size == 1:
-        return single_process_references()[case.name]()
-    return ddp_references(case.dp_size)[case.name]
+RUNS = RLRuns(CASES)
+sp_results, reference = RUNS.sp_results, RUNS.reference
 
 
 def diffs(ref: dict, got: dict) -> dict[str, float]:

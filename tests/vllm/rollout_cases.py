@@ -9,7 +9,6 @@ The one-process TRL reference runs TRL's own trainer with hf_sp_trainer's vLLM r
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import os
 import socket
@@ -17,7 +16,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from tests.grpo_harness import RLCase
+from tests.grpo_harness import RLCase, RLRuns
 
 MODEL = {"head_dim": 64}  # vLLM's CPU attention refuses the suite's head_dim 16 (64 works)
 # no torch.compile of the engine's model (20 s per engine here); fp32 as the trainer (vLLM's CPU build would run bf16,
@@ -102,31 +101,8 @@ def inject(case: RLCase, trainer) -> None:
         raise ValueError(case.control)
 
 
-@functools.cache
-def sp_results(world_size: int) -> dict[str, dict]:
-    from tests.harness import run_cases, run_distributed, unwrap_results
-
-    cases = [c for c in CASES if c.world_size == world_size]
-    return unwrap_results(run_distributed(world_size, run_cases, cases))[0]
-
-
-@functools.cache
-def single_process_references() -> dict:
-    from tests.harness import reference_runs
-
-    return reference_runs([c for c in CASES if c.dp_size == 1])
-
-
-@functools.cache
-def dp2_references() -> dict[str, dict]:
-    from tests.grpo_harness import _reference_runs
-    from tests.harness import run_distributed, unwrap_results
-
-    return unwrap_results(run_distributed(2, _reference_runs, [c for c in CASES if c.dp_size == 2]))[0]
-
-
-def reference(case: RLCase) -> dict:
-    return single_process_references()[case.name]() if case.dp_size == 1 else dp2_references()[case.name]
+RUNS = RLRuns(CASES)
+sp_results, reference = RUNS.sp_results, RUNS.reference
 
 
 def environment() -> None:
