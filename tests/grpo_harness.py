@@ -52,6 +52,7 @@ class RLCase:
     compare: bool = True  # False: no TRL run gives the same samples (split generation, sampled)
     vllm: bool = False  # TRL's colocated vLLM engine generates (tests/vllm: the vLLM tier's environment)
     reference: str = "trl"  # the one-process run: "trl" (TRL's trainer), "sp1" (ours at sp_size=1, same sp_config)
+    ref_config: dict | None = None  # reference "sp1": its extra config fields instead of sp_config's
     control: str | None = None  # a negative control's injected error (tests/vllm/rollout_cases.py)
 
     @property
@@ -104,7 +105,10 @@ def save_policy(model, path: str) -> str:
 
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(path)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, os.path.join(path, "model.safetensors"))
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = revert_weight_conversion(model, model.state_dict())  # the checkpoint layout, as save_pretrained writes
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(path, "model.safetensors"))
     return path
 
 
@@ -144,12 +148,13 @@ def train_rl_case(case: RLCase, sp: bool, out_dir: str) -> dict:
     if sp:
         common |= dict(sp_size=case.sp_size) | backend_args(case.backend) | case.sp_config
     elif ours:
-        common |= {k: v for k, v in case.sp_config.items() if k != "sp_ring_size"}
+        extra = case.sp_config if case.ref_config is None else case.ref_config
+        common |= {k: v for k, v in extra.items() if k != "sp_ring_size"}
     vllm = None
     if case.vllm:
         from tests.vllm import rollout_cases as vllm
 
-        common |= vllm.config_args(ours)
+        common = vllm.config_args(ours, common.get("vllm_mode", "colocate")) | common
     if dist.is_initialized():
         common |= dict(ddp_backend="gloo")
     model = tiny_model(case.family, **(vllm.MODEL if vllm else {}))

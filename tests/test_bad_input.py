@@ -96,10 +96,25 @@ def _cases(tmp):
         apply_sequence_parallel(model, 2)
         model(input_ids=torch.randint(3, 100, (1, 8)), logits_to_keep=1)
 
-    def grpo_with_vllm_server():
+    def grpo_server_weight_sync_outside_server_mode():
         from hf_sp_trainer import GRPOConfig
 
-        GRPOConfig(output_dir=tmp, sp_size=2, use_vllm=True, vllm_mode="server", use_cpu=True, report_to="none")
+        GRPOConfig(
+            output_dir=tmp, sp_size=2, use_vllm=True, vllm_server_weight_sync="files", use_cpu=True, report_to="none"
+        )
+
+    def grpo_unknown_server_weight_sync():
+        from hf_sp_trainer import GRPOConfig
+
+        GRPOConfig(
+            output_dir=tmp,
+            sp_size=2,
+            use_vllm=True,
+            vllm_mode="server",
+            vllm_server_weight_sync="ftp",
+            use_cpu=True,
+            report_to="none",
+        )
 
     def grpo_vllm_tensor_parallel_not_over_the_group():
         from hf_sp_trainer import GRPOConfig
@@ -141,7 +156,8 @@ def _cases(tmp):
         padding_on_one_rank_only,
         shard_lengths_differ,
         logits_to_keep_under_sp,
-        grpo_with_vllm_server,
+        grpo_server_weight_sync_outside_server_mode,
+        grpo_unknown_server_weight_sync,
         grpo_vllm_tensor_parallel_not_over_the_group,
         grpo_with_rollout_func,
     ]
@@ -173,7 +189,8 @@ EXPECTED = {
     "padding_on_one_rank_only": ["attention_mask", "padding zeros"],
     "shard_lengths_differ": ["different shapes"],
     "logits_to_keep_under_sp": ["logits_to_keep=1", "without logits_to_keep"],
-    "grpo_with_vllm_server": ["sp_size > 1", "vllm_mode='server'", "vllm_mode='colocate'"],
+    "grpo_server_weight_sync_outside_server_mode": ["vllm_server_weight_sync", "vllm_mode='server'", "'colocate'"],
+    "grpo_unknown_server_weight_sync": ["vllm_server_weight_sync='ftp'", "'auto', 'nccl', 'files'"],
     "grpo_vllm_tensor_parallel_not_over_the_group": [
         "vllm_tensor_parallel_size=2",
         "sp_generation='replicate'",

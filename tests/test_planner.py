@@ -610,3 +610,36 @@ def test_sequence_aware_auto_and_offload_are_refused_for_sparse_models():
         planner.auto_kept_layers(m, Setting(gpus=8, sp=8), 8192, 80 * planner.GIB)
     stacks = {row["stack"] for row in planner.plan_table(m, Setting(gpus=8, sp=8, zero=3), 80 * planner.GIB, [3])}
     assert "all, sequence_aware" not in stacks and "+ activation offload" not in stacks and "checkpointing" in stacks
+
+
+def test_grpo_reference_model_and_colocated_engine():
+    """GRPO / RLOO: TRL's reference copy of the weights (ZeRO-3: sharded; none with LoRA, whose reference is the
+    adapter off) and a colocated vLLM engine's reservation (throughout, or with sleep mode only beside the trainer's
+    weights and optimizer states) are added to the peak; the longest row shrinks accordingly."""
+    m = ModelShape.from_config(transformers.LlamaConfig(**LLAMA_8B))
+    p, n, budget = m.params, 8, 80 * planner.GIB
+    for zero, shards in ((0, 1), (3, n)):
+        base = Setting(gpus=n, sp=8, zero=zero, fused_loss=True)
+        plain, ref = estimate(m, base, 65536), estimate(m, replace(base, reference_model=True), 65536)
+        assert ref.reference_weights == p * 2 / shards and ref.peak - plain.peak == pytest.approx(p * 2 / shards)
+    lora = Setting(gpus=n, sp=8, lora=True, reference_model=True)
+    assert estimate(m, lora, 65536).reference_weights == 0
+    base = Setting(gpus=n, sp=8, zero=3, fused_loss=True)
+    engine = replace(base, engine_bytes=0.3 * budget)
+    plain, colocated = estimate(m, base, 65536), estimate(m, engine, 65536)
+    assert colocated.peak - plain.peak == pytest.approx(0.3 * budget) and colocated.engine == 0.3 * budget
+    asleep = estimate(m, replace(engine, engine_sleeps=True), 65536)
+    static = asleep.runtime + asleep.weights + asleep.optimizer_states
+    assert asleep.peak == max(plain.peak, static + 0.3 * budget)
+    assert longest_length(m, engine, budget) < longest_length(m, replace(engine, engine_sleeps=True), budget)
+    assert longest_length(m, replace(engine, engine_sleeps=True), budget) <= longest_length(m, base, budget)
+    with pytest.raises(ValueError, match="engine_bytes"):
+        Setting(gpus=1, sp=1, device="cpu", engine_bytes=1.0).validate()
+
+
+def test_cli_grpo_flags(capsys):
+    code = main(["--model", TINY, "--gpus", "2", "--gpu-memory-gib", "8", "--reference-model",
+                 "--vllm-gpu-memory-utilization", "0.25", "--json"])  # fmt: skip
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prediction"]["engine"] == 0.25 * 8 * planner.GIB and out["prediction"]["reference_weights"] > 0

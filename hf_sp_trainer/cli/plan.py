@@ -84,6 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="VLMs: the tower trains or is frozen (default: frozen with --lora, else trained)")  # fmt: skip
     p.add_argument("--split-media", action="store_true",
                    help="VLMs: sp_split_media (each rank encodes 1/sp of the images)")  # fmt: skip
+    p.add_argument("--reference-model", action="store_true",
+                   help="GRPO / RLOO with beta > 0 (not LoRA): TRL's reference copy of the weights")  # fmt: skip
+    p.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.0,
+                   help="GRPO / RLOO: a colocated vLLM engine's share of each GPU (its reservation)")  # fmt: skip
+    p.add_argument("--vllm-sleep-mode", action="store_true", help="the colocated engine sleeps while training")
     p.add_argument("--length", type=int, default=None, help="tokens per sequence for (a) (default: the longest)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     return p.parse_args(argv)
@@ -138,6 +143,10 @@ def breakdown_lines(m: ModelShape, e: planner.Breakdown, budget: float, device: 
         ("activation phase", e.activation_phase, "saved + max(loss, LM-head grad + one layer)"),
         ("gradient phase", e.gradient_phase, "max(gradients so far + first layer, gradients + optimizer step)"),
     ]
+    if e.reference_weights:
+        parts.append(("reference model (GRPO / RLOO)", e.reference_weights, "frozen weights, beta > 0"))
+    if e.engine:
+        parts.append(("colocated vLLM engine", e.engine, "its reservation (sleep mode: while it generates)"))
     if e.host_offload:
         parts.append(("offloaded checkpoints (host)", e.host_offload, "host memory per GPU, not in the peak"))
     unit = "GPU" if device == "cuda" else "process"
@@ -146,7 +155,10 @@ def breakdown_lines(m: ModelShape, e: planner.Breakdown, budget: float, device: 
         f"{e.peak / GIB:.2f} GiB of {budget / GIB:g} GiB, at the {when}"
     ]
     lines += [f"    {name:<32}{_gib(value)}" + (f"   ({note})" if note else "") for name, value, note in parts]
-    lines.append("    peak = runtime + weights + optimizer states + buckets + max(activation phase, gradient phase)")
+    extra = (" + reference" if e.reference_weights else "") + (" + engine" if e.engine else "")
+    lines.append(
+        f"    peak = runtime + weights + optimizer states{extra} + buckets + max(activation phase, gradient phase)"
+    )
     return lines
 
 
@@ -173,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         checkpointing="full" if args.checkpointing == "auto" else args.checkpointing,
         dtype=args.dtype, device=args.device, image_share=args.image_share,
         vision_trained=None if args.vision is None else args.vision == "trained", split_media=args.split_media,
+        reference_model=args.reference_model, engine_sleeps=args.vllm_sleep_mode,
+        engine_bytes=args.vllm_gpu_memory_utilization * args.gpu_memory_gib * GIB,
     )  # fmt: skip
     try:
         setting.validate()

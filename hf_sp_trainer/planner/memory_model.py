@@ -27,6 +27,9 @@ Routed experts, latent and DeepSeek sparse attention (DeepSeek-V3, V3.2, GLM-5, 
 counts their parameters and what a dense-MLP and an MoE layer save in place of the Llama-style layer's; its docstring
 states what is assumed.
 
+GRPO / RLOO (``reference_model``, ``engine_bytes``): the reference model's weights and a colocated vLLM engine's
+reservation are added; their scoring forwards need less than the training forward (see ``estimate``).
+
 VLMs (a ``vision_config``): the tower's weights and, per rank, the whole row's pixels and (trained tower) its saved
 activations are added (``vision``: SP's whole-media mode encodes every image on every rank).
 
@@ -200,6 +203,9 @@ class Setting:
     image_share: float = 0.0  # VLMs: the fraction of the row's tokens that are image placeholders
     vision_trained: bool | None = None  # VLMs: the tower trains (default: unless LoRA, which freezes it)
     split_media: bool = False  # VLMs: sp_split_media (each rank encodes 1/sp of the images)
+    reference_model: bool = False  # GRPO / RLOO with beta > 0 (not LoRA): TRL's frozen reference copy of the weights
+    engine_bytes: float = 0.0  # GRPO / RLOO: a colocated vLLM engine's reservation (gpu_memory_utilization x memory)
+    engine_sleeps: bool = False  # vllm_enable_sleep_mode: the engine's memory is released while the trainer steps
 
     def validate(self) -> None:
         if self.gpus < 1 or self.sp < 1 or self.gpus % self.sp:
@@ -210,6 +216,8 @@ class Setting:
             raise ValueError(f"checkpointing must be none, full or sequence_aware, not {self.checkpointing!r}")
         if self.offload and self.checkpointing == "none":
             raise ValueError("activation offloading moves the checkpoints: it needs checkpointing.")
+        if self.engine_bytes < 0 or (self.engine_bytes and self.device == "cpu"):
+            raise ValueError("engine_bytes: a colocated vLLM engine's GPU reservation (>= 0; none on device='cpu').")
         if not 0.0 <= self.image_share < 1.0:
             raise ValueError(f"image_share is a fraction of the row's tokens in [0, 1), not {self.image_share}.")
 
@@ -234,6 +242,8 @@ class Breakdown:
     activation_phase: float
     gradient_phase: float
     peak: float
+    reference_weights: float = 0.0  # GRPO / RLOO: the reference model's weights (in the peak)
+    engine: float = 0.0  # GRPO / RLOO: a colocated vLLM engine's reservation (in the peak, unless it sleeps)
     host_offload: float = 0.0  # host memory of the offloaded checkpoints, per rank
     vision_activations: float = 0.0  # a VLM tower's saved tensors and the row's pixels (in saved_activations)
 
@@ -368,13 +378,19 @@ def estimate(m: ModelShape, s: Setting, length: int) -> Breakdown:
     gradient_phase = max((gradients + lazy) * early + per_layer_saved + working_set,
                          gradients + lazy + optimizer_step)  # fmt: skip
     runtime = CPU_RUNTIME_MIB * MIB if cpu else CUDA_OVERHEAD_GIB * GIB
-    static = runtime + weights + optimizer_states
+    reference = m.params * b / (n if s.zero == 3 else 1) if s.reference_model and not s.lora else 0.0
+    static = runtime + weights + optimizer_states + reference
     peak = static + (0.0 if cpu else buckets) + max(activation_phase, gradient_phase)
+    # GRPO / RLOO: the scoring forwards (old policy, reference) run without gradients, keep no activations and make
+    # fewer logits copies than the loss: never above the activation phase. A colocated engine holds its reservation
+    # throughout, or (sleep mode) only while it generates, when the trainer holds its weights and optimizer states.
+    peak = max(peak, static + s.engine_bytes) if s.engine_sleeps else peak + s.engine_bytes
     if cpu:  # VmHWM is reset at the measured step's start, when the previous step's buckets are still resident
         peak = max(peak, static + buckets)
     return Breakdown(
         length=length, local_tokens=tokens, ulysses=ulysses, ring=ring, runtime=runtime, weights=weights,
         gradients=gradients, optimizer_states=optimizer_states, comm_buffers=buckets, saved_activations=saved,
         layer_working_set=working_set, loss=loss, optimizer_step=optimizer_step, activation_phase=activation_phase,
-        gradient_phase=gradient_phase, peak=peak, host_offload=host, vision_activations=vision["saved"],
+        gradient_phase=gradient_phase, peak=peak, reference_weights=reference, engine=s.engine_bytes,
+        host_offload=host, vision_activations=vision["saved"],
     )  # fmt: skip

@@ -23,7 +23,7 @@ import trl
 
 from ..memory import MemoryArguments
 from ..model.decoder import unwrap_peft
-from . import rollouts
+from . import rollouts, vllm_server
 from .arguments import SequenceParallelArguments
 from .dp_view import dp_accelerator_view, gathers_per_group, patch_trl_gathers
 from .scoring.hooks import LogProbHooks
@@ -58,7 +58,8 @@ class OnlineRLArguments:
             "the first rank's are kept: the same samples as TRL's process for this data-parallel rank) or 'split' "
             "(each rank generates 1/sp_size of them, gathered over the group: sp_size times less generation per "
             "rank; sampled completions come from other random streams than TRL's, greedy ones are the same; with "
-            "use_vllm each completion is drawn with its own seed, so the same ones at every sp_size)."
+            "use_vllm each completion is drawn with its own seed, so the same ones at every sp_size). With vLLM's "
+            "server mode under SP the server draws each group's completions once, with those per-row seeds."
         },
     )
     vllm_engine_kwargs: dict | None = field(
@@ -67,6 +68,19 @@ class OnlineRLArguments:
             "help": "use_vllm, colocate mode: extra keyword arguments for the vllm.LLM engine TRL builds (for example "
             "{'enforce_eager': True} or {'dtype': 'float32'}), over TRL's own."
         },
+    )
+    vllm_server_weight_sync: str = field(
+        default="auto",
+        metadata={
+            "help": "use_vllm, server mode: how the trained weights reach the server. 'nccl': TRL's weight transfer "
+            "(CUDA); 'files': safetensors written to vllm_server_weight_dir, which the server reloads (no NCCL: the "
+            "server must run in development mode, as `trl vllm-serve` starts it, and see the directory); 'auto': "
+            "'nccl' where the trainer has CUDA, 'files' otherwise."
+        },
+    )
+    vllm_server_weight_dir: str | None = field(
+        default=None,
+        metadata={"help": "vllm_server_weight_sync='files': the directory (default: <output_dir>/vllm-weights)."},
     )
 
 
@@ -107,18 +121,18 @@ class _DPWorldSize:
 
 
 def check_vllm_options(config) -> None:
-    """``use_vllm`` under SP: colocate mode, one engine per rank or one over each SP group (GPU) with ``split``
+    """``use_vllm`` under SP: a server, one colocated engine per rank, or one over each SP group (GPU) with ``split``
     generation. Raised from the config, on every rank, before anything collective."""
     if config.vllm_engine_kwargs and config.vllm_mode != "colocate":
         raise ValueError("vllm_engine_kwargs applies to vllm_mode='colocate' (a server takes its own arguments).")
-    if config.sp_size == 1:
-        return
+    vllm_server.resolve_weight_sync(config.vllm_server_weight_sync)
+    if config.vllm_mode != "server" and (config.vllm_server_weight_dir or config.vllm_server_weight_sync != "auto"):
+        raise ValueError(
+            f"vllm_server_weight_sync / vllm_server_weight_dir apply to vllm_mode='server', not {config.vllm_mode!r}."
+        )
     tp = config.vllm_tensor_parallel_size
-    refuse(
-        {"vllm_mode": config.vllm_mode if config.vllm_mode != "colocate" else None},
-        "vLLM's server mode does not hand each SP group's completions to its ranks yet",
-        "Use vllm_mode='colocate', or sp_size=1.",
-    )
+    if config.sp_size == 1 or config.vllm_mode != "colocate":
+        return
     if tp > 1 and (tp != config.sp_size or config.sp_generation != "split"):
         raise ValueError(
             f"vllm_tensor_parallel_size={tp} with sp_size={config.sp_size}, sp_generation="
@@ -173,7 +187,14 @@ class OnlineRLSPMixin(PreferenceSPMixin):
         trl_init = next(c for c in type(self).__mro__ if c.__module__.startswith("trl.")).__init__
         config = inspect.signature(trl_init).bind(self, *args, **kwargs).arguments.get("args")
         colocated = config is not None and config.use_vllm and config.vllm_mode == "colocate"
-        with colocated_engine_options(config) if colocated else contextlib.nullcontext():
+        served = config is not None and config.use_vllm and config.vllm_mode == "server"
+        with (
+            colocated_engine_options(config)
+            if colocated
+            else server_options(config)
+            if served
+            else contextlib.nullcontext()
+        ):
             super().__init__(*args, **kwargs)
         if self.sp is not None:
             if not colocated:
@@ -217,6 +238,8 @@ class OnlineRLSPMixin(PreferenceSPMixin):
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
         seeds = self._request_seeds(len(prompt_ids))
+        if self.args.use_vllm and self.args.vllm_mode == "server" and seeds is not None:
+            return self._served_generation(prompt_ids, seeds, *args, **kwargs)
         if self.sp is None:
             with self._seeded(seeds):
                 return super()._generate_single_turn(prompt_ids, *args, **kwargs)
@@ -229,6 +252,15 @@ class OnlineRLSPMixin(PreferenceSPMixin):
         box = [out]
         dist.broadcast_object_list(box, src=dist.get_global_rank(topo.sp_group, 0), group=topo.sp_group)
         return box[0]
+
+    def _served_generation(self, prompt_ids, seeds, *args, **kwargs):
+        """vLLM's server draws each SP group's rows once, each with its seed; every rank gets its group's."""
+        if self.sp is not None:
+            leader, generating = dist.get_global_rank(self.sp.topology.sp_group, 0), self._sp_generation()
+        else:
+            leader, generating = (dist.get_rank() if dist.is_initialized() else 0), contextlib.nullcontext()
+        with generating, vllm_server.served_requests(self.vllm_generation, seeds, leader):
+            return super()._generate_single_turn(prompt_ids, *args, **kwargs)
 
     def _sp_split_generation(self, prompt_ids, seeds, *args, **kwargs):
         """Each SP rank generates a contiguous 1/sp of the rows (sampling from its own seeded stream, or with vLLM
@@ -255,9 +287,11 @@ class OnlineRLSPMixin(PreferenceSPMixin):
 
     # -- vLLM: per-request seeds (split generation) --------------------------------------------------------------------
     def _request_seeds(self, n: int) -> list[int] | None:
-        """With vLLM and ``sp_generation='split'``: a seed per row of this data-parallel rank's ``n`` (the call
-        counted, the rows' global indices), the same whichever rank of whichever layout draws the row."""
-        if not (self.args.use_vllm and self.args.sp_generation == "split"):
+        """With vLLM and ``sp_generation='split'``, or its server under SP: a seed per row of this data-parallel
+        rank's ``n`` (the call counted, the rows' global indices), the same whichever rank of whichever layout draws
+        the row."""
+        served = self.args.vllm_mode == "server" and self.sp is not None
+        if not (self.args.use_vllm and (self.args.sp_generation == "split" or served)):
             return None
         self._seeded_generation_calls += 1
         dp_rank = self.sp.topology.dp_rank if self.sp is not None else self.accelerator.process_index
@@ -316,6 +350,18 @@ def colocated_engine_options(config):
         rank = dist.get_rank() if dist.is_initialized() else 0
         options["seed"] = rank // config.sp_size  # SP groups are blocks of contiguous ranks (topology)
     with rollouts.engine_options(**options):
+        yield
+
+
+@contextlib.contextmanager
+def server_options(config):
+    """While TRL builds its server client: our patches installed and, with ``vllm_server_weight_sync`` resolving to
+    files, the weight directory (``vllm_server``)."""
+    rollouts.install()
+    directory = None
+    if vllm_server.resolve_weight_sync(config.vllm_server_weight_sync) == "files":
+        directory = config.vllm_server_weight_dir or f"{config.output_dir}/vllm-weights"
+    with vllm_server.weight_files(directory):
         yield
 
 

