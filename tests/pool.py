@@ -69,9 +69,28 @@ guard: Callable[[str], None] | None = None  # the conftest's check that no `unit
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port free now, from below the kernel's ephemeral range: the kernel never hands it to another
+    process's outgoing connection or ``bind(0)`` (a gloo pair's listener) between this check and the caller's bind,
+    and a client retrying a port nobody serves yet cannot reach such a listener (tiers run side by side)."""
+    low = _ephemeral_low()
+    for port in random.Random().sample(range(max(1024, low - 12000), low), 200) if low > 2048 else []:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # (a host whose ephemeral range starts low)
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def dist_env(rank: int, world_size: int, port: int) -> dict[str, str]:

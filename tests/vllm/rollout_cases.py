@@ -12,13 +12,13 @@ import contextlib
 import gc
 import os
 import signal
-import socket
 import subprocess
 from collections.abc import Iterator
 
 import torch.distributed as dist
 
 from tests.grpo_harness import SGD, RLCase, RLRuns
+from tests.pool import free_port
 
 MODEL = {"head_dim": 64}  # vLLM's CPU attention refuses the suite's head_dim 16 (64 works)
 # no torch.compile of the engine's model (20 s per engine here); fp32 as the trainer (vLLM's CPU build would run bf16,
@@ -97,12 +97,6 @@ def engine(case: RLCase, ours: bool) -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def inject(case: RLCase, trainer) -> None:

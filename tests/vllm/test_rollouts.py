@@ -41,7 +41,8 @@ def unreachable_server(tmp: str) -> str:
     from hf_sp_trainer.data import build_char_tokenizer
     from tests.grpo_harness import reward_len_and_vowels, rl_dataset
     from tests.harness import tiny_model
-    from tests.vllm.rollout_cases import MODEL, free_port
+    from tests.pool import free_port
+    from tests.vllm.rollout_cases import MODEL
 
     args = GRPOConfig(
         output_dir=tmp,
