@@ -159,6 +159,42 @@ def test_offload_hooks_move_the_checkpointed_hidden_states():
     assert _max_rel(grads, ref_grads) == 0.0
 
 
+def test_selective_policy_with_offload_says_where_kept_tensors_go():
+    """The selective policy and the offload hooks together: what the policy keeps stays outside the hooks, said
+    explicitly to torch >= 2.14 (``respect_saved_tensors_hooks=False``; otherwise it warns that a later release
+    routes them through the hooks); gradients as plain checkpointing's. (On torch 2.13 there is nothing to say.)"""
+    import inspect
+    import warnings
+
+    from hf_sp_trainer.memory.checkpointing import sequence_aware_context_fn
+
+    base = tiny_model("llama").train()
+    ids = torch.randint(3, 128, (1, 32), generator=torch.Generator().manual_seed(2))
+    inputs = {"input_ids": ids, "labels": ids}
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    for m in (ref, model):
+        m.activation_checkpointing_enable()
+    hooks = HostOffload(device_type="cpu", min_bytes=0)
+    seen = []
+    for layer in checkpointed_modules(model):
+        inner = layer._gradient_checkpointing_func
+
+        def recording(*args, _inner=inner, **kwargs):
+            seen.append(kwargs.get("respect_saved_tensors_hooks"))
+            return _inner(*args, **kwargs)
+
+        recording.__signature__ = inspect.signature(inner)
+        layer._gradient_checkpointing_func = MemoryCheckpoint(recording, sequence_aware_context_fn, hooks)
+    *_, ref_grads = _forward_backward(ref, inputs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        *_, grads = _forward_backward(model, inputs)
+    assert not [w for w in caught if "saved_tensors_hooks" in str(w.message)]
+    takes = "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
+    assert seen and set(seen) == {False if takes else None}, seen
+    assert _max_rel(grads, ref_grads) < 1e-6
+
+
 def _sp_trainer(tmp_path, **args):
     from transformers import DataCollatorWithFlattening
 

@@ -141,8 +141,24 @@ class MemoryCheckpoint:
             kwargs["context_fn"] = context_fn
         if offload is None:
             return self.inner(function, *args, **kwargs)
+        if context_fn is not None and _takes_respect_hooks(self.inner):
+            # torch >= 2.14: what the selective policy keeps stays on the device, outside the offload hooks (as
+            # before 2.14, and as the memory budget counts it), said explicitly: torch warns otherwise, and announced
+            # routing it through the hooks by default
+            kwargs["respect_saved_tensors_hooks"] = False
         with torch.autograd.graph.saved_tensors_hooks(offload.pack, offload.unpack):
             return self.inner(function, *args, **kwargs)
+
+
+def _takes_respect_hooks(checkpoint_function) -> bool:
+    """The checkpoint function (torch's, possibly a ``functools.partial`` of it) has torch 2.14's
+    ``respect_saved_tensors_hooks``."""
+    import inspect
+
+    try:
+        return "respect_saved_tensors_hooks" in inspect.signature(checkpoint_function).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _hidden_states(args: tuple, kwargs: dict) -> torch.Tensor:
