@@ -150,6 +150,7 @@ class MemoryCheckpoint:
             return self.inner(function, *args, **kwargs)
 
 
+@functools.lru_cache(maxsize=64)  # called for every checkpointed layer call; a layer's function is the same each time
 def _takes_respect_hooks(checkpoint_function) -> bool:
     """The checkpoint function (torch's, possibly a ``functools.partial`` of it) has torch 2.14's
     ``respect_saved_tensors_hooks``."""

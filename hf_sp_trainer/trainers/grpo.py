@@ -186,15 +186,10 @@ class OnlineRLSPMixin(PreferenceSPMixin):
         self._seeded_generation_calls = 0
         trl_init = next(c for c in type(self).__mro__ if c.__module__.startswith("trl.")).__init__
         config = inspect.signature(trl_init).bind(self, *args, **kwargs).arguments.get("args")
-        colocated = config is not None and config.use_vllm and config.vllm_mode == "colocate"
-        served = config is not None and config.use_vllm and config.vllm_mode == "server"
-        with (
-            colocated_engine_options(config)
-            if colocated
-            else server_options(config)
-            if served
-            else contextlib.nullcontext()
-        ):
+        vllm_mode = config.vllm_mode if config is not None and config.use_vllm else None
+        colocated = vllm_mode == "colocate"
+        options = {"colocate": colocated_engine_options, "server": server_options}.get(vllm_mode)
+        with options(config) if options is not None else contextlib.nullcontext():
             super().__init__(*args, **kwargs)
         if self.sp is not None:
             if not colocated:

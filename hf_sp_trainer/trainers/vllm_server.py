@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -60,15 +60,27 @@ def _main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _on_every_rank(error: BaseException | None) -> None:
-    """Raise the main process's error (if any) on every rank, so that none waits in a later collective."""
-    box = [None if error is None else f"{type(error).__name__}: {error}"]
-    if dist.is_initialized() and dist.get_world_size() > 1:
+def _distributed() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _from_main(work: Callable[[], Any]) -> Any:
+    """``work()`` on the main process, its result on every rank; its error raised on every rank, so that none waits
+    in a later collective."""
+    result, error = None, None
+    if _main():
+        try:
+            result = work()
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank
+            error = e
+    box = [result, None if error is None else f"{type(error).__name__}: {error}"]
+    if _distributed():
         dist.broadcast_object_list(box, src=0)
     if error is not None:
         raise error
-    if box[0] is not None:
-        raise RuntimeError(f"vLLM server (main process): {box[0]}")
+    if box[1] is not None:
+        raise RuntimeError(f"vLLM server (main process): {box[1]}")
+    return box[0]
 
 
 def init_client(original):
@@ -81,19 +93,17 @@ def init_client(original):
             return original(self)
         self._sp_weight_dir = directory
         self._sp_weight_syncs = 0
-        error = None
-        if _main():
-            try:
-                from trl.generation.vllm_client import VLLMClient
 
-                base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
-                self.vllm_client = VLLMClient(
-                    base_url=base_url, group_port=self.group_port, connection_timeout=self.server_timeout
-                )
-                self.vllm_client.get_server_info()  # raises unless the server runs in development mode
-            except Exception as e:  # noqa: BLE001 - re-raised on every rank
-                error = e
-        _on_every_rank(error)
+        def connect() -> None:
+            from trl.generation.vllm_client import VLLMClient
+
+            base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
+            self.vllm_client = VLLMClient(
+                base_url=base_url, group_port=self.group_port, connection_timeout=self.server_timeout
+            )
+            self.vllm_client.get_server_info()  # raises unless the server runs in development mode
+
+        _from_main(connect)
 
     return _init_vllm
 
@@ -106,30 +116,28 @@ def sync_through_files(generation) -> None:
     for name, tensor in generation._iter_named_params():
         if _main():
             tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
-    error = None
-    if _main():
-        try:
-            from .rollouts import checkpoint_format
 
-            generation._sp_weight_syncs += 1
-            tensors = checkpoint_format(generation.model, tensors)
-            path = _write(tensors, generation._sp_weight_dir, generation._sp_weight_syncs)
-            client = generation.vllm_client
-            response = client.session.post(
-                f"{client.base_url}/collective_rpc",
-                json={"method": "reload_weights", "kwargs": {"weights_path": path}},
+    def write_and_reload() -> None:
+        from .rollouts import checkpoint_format
+
+        generation._sp_weight_syncs += 1
+        path = _write(
+            checkpoint_format(generation.model, tensors), generation._sp_weight_dir, generation._sp_weight_syncs
+        )
+        client = generation.vllm_client
+        response = client.session.post(
+            f"{client.base_url}/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": path}}
+        )
+        if response.status_code != 200:
+            raise RuntimeError(
+                f"the server at {client.base_url} did not reload {path}: {response.status_code} {response.text}. "
+                "Start it with VLLM_SERVER_DEV_MODE=1 (trl vllm-serve sets it) and give it the same path."
             )
-            if response.status_code != 200:
-                raise RuntimeError(
-                    f"the server at {client.base_url} did not reload {path}: {response.status_code} {response.text}. "
-                    "Start it with VLLM_SERVER_DEV_MODE=1 (trl vllm-serve sets it) and give it the same path."
-                )
-            client.reset_prefix_cache()
-            previous = os.path.join(generation._sp_weight_dir, f"sync-{generation._sp_weight_syncs - 1:06d}")
-            shutil.rmtree(previous, ignore_errors=True)
-        except Exception as e:  # noqa: BLE001 - re-raised on every rank
-            error = e
-    _on_every_rank(error)
+        client.reset_prefix_cache()
+        previous = os.path.join(generation._sp_weight_dir, f"sync-{generation._sp_weight_syncs - 1:06d}")
+        shutil.rmtree(previous, ignore_errors=True)
+
+    _from_main(write_and_reload)
 
 
 def _write(tensors: dict[str, torch.Tensor], directory: str, number: int) -> str:
@@ -184,25 +192,16 @@ def generate_served(original):
             raise RuntimeError(f"served_requests: {len(rows.seeds)} seeds for {len(prompts)} prompts.")
         mine = (rows.leader, list(prompts), rows.seeds)
         everyone = [mine]
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if _distributed():
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, mine)
-        payload, error = None, None
-        if _main():
-            try:
-                groups = {leader: (p, s) for rank, (leader, p, s) in enumerate(everyone) if rank == leader}
-                with profiler or contextlib.nullcontext():
-                    payload = {leader: _draw(self, p, s) for leader, (p, s) in groups.items()}
-            except Exception as e:  # noqa: BLE001 - re-raised on every rank
-                error = e
-        box = [payload, None if error is None else f"{type(error).__name__}: {error}"]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        if error is not None:
-            raise error
-        if box[1] is not None:
-            raise RuntimeError(f"vLLM server (main process): {box[1]}")
-        return box[0][rows.leader]
+
+        def draw() -> dict:
+            groups = {leader: (p, s) for rank, (leader, p, s) in enumerate(everyone) if rank == leader}
+            with profiler or contextlib.nullcontext():
+                return {leader: _draw(self, p, s) for leader, (p, s) in groups.items()}
+
+        return _from_main(draw)[rows.leader]
 
     return generate
 
