@@ -6,11 +6,11 @@ setup(
     description="Exact Ulysses sequence parallelism for the Hugging Face Trainer and TRL",
     packages=find_packages(include=["hf_sp_trainer", "hf_sp_trainer.*"]),
     python_requires=">=3.10",
-    # capped at the minor versions the tests run on: SP relies on their internals (contract tests name them), and
-    # transformers 5.25 already changed its kernel functions (hub objects without __wrapped__)
+    # the minor versions the tests run on (docs/compat.md): SP relies on their internals (contract tests name them).
+    # transformers: 5.22 (what vLLM 0.34 accepts) to 5.25 (the newest); scripts/follow_transformers.sh for the next
     install_requires=[
-        "torch>=2.6",
-        "transformers>=5.24,<5.25",
+        "torch>=2.13,<2.16",  # 2.13 (CI) to 2.15: the versions the suites ran on (docs/compat.md)
+        "transformers>=5.22,<5.26",
         "accelerate>=1.15,<1.17",
         "datasets>=4,<5.3",
         "trl>=1.16,<1.17",

@@ -13,6 +13,7 @@ attention without ``**kwargs`` (Nemotron, StableLM), ``relay_sp_kwargs`` carries
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
@@ -105,6 +106,8 @@ class DocumentHook:
     def __init__(self, topology: SPTopology | None, sharding: SequenceSharding):
         self.topology, self.sharding = topology, sharding
         self.context: dict[str, Any] = {}  # what this model's layers find under SP_KWARG
+        # run before each forward's first collective (the same on every rank): raise on what SP can't run
+        self.forward_checks: dict[str, Callable[[], None]] = {}
         self.layout: DocumentLayout | None = None
         self.positions: torch.Tensor | None = None
         self.outer_positions: torch.Tensor | None = None  # the model's own position_ids during its forward
@@ -148,9 +151,11 @@ class DocumentHook:
         return passed
 
     def _pass_down(self, args, kwargs):
+        if self.topology is None and (BOUNDS_KWARG in kwargs or _decoding(kwargs)):
+            return None  # under SP (an SP hook gave the bounds), or decoding
+        for check in self.forward_checks.values():
+            check()
         if self.topology is None:
-            if BOUNDS_KWARG in kwargs or _decoding(kwargs):
-                return None  # under SP (an SP hook gave the bounds), or decoding
             tokens = _tokens(args, kwargs)
             positions = self._position_ids(kwargs)
             if positions is None:
@@ -239,12 +244,15 @@ def relay_sp_kwargs(decoder: torch.nn.Module) -> list[torch.utils.hooks.Removabl
             kept.update({k: v for k, v in kwargs.items() if k.startswith(SP_KWARGS_PREFIX)})
 
         def add(module, args, kwargs, kept=kept, where=where):
-            if BOUNDS_KWARG not in kept:
+            relayed = kept
+            if BOUNDS_KWARG not in relayed:  # a decoder that calls its layers without **kwargs (Falcon's, 5.25)
+                relayed = {k: v for k, v in scoped_sp_kwargs().items() if k.startswith(SP_KWARGS_PREFIX)}
+            if BOUNDS_KWARG not in relayed:
                 raise RuntimeError(
                     f"SP's document bounds didn't reach {where}: its layer was called without them (outside a "
                     "forward of the model SP was attached to, or by a caller that drops **kwargs)."
                 )
-            return args, {**kwargs, **kept}
+            return args, {**kwargs, **relayed}
 
         handles.append(parent.register_forward_pre_hook(keep, with_kwargs=True))
         handles.append(getattr(parent, child_name).register_forward_pre_hook(add, with_kwargs=True))

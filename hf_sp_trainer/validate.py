@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 from .attention.block_attention import check_kernel
 from .attention.position_rules import position_rules
 from .attention.ulysses import VARLEN_KEY, is_sp_key
+from .mixers.swap import check_cache_arguments
 from .model.heads import attention_shapes, head_counts
 from .model.mixers import CONTEXT_PARALLEL_ATTENTIONS, check_sequence_mixers, covered_mixers, uses_attention_registry
 from .model.vlm import check_multimodal, text_decoder, uses_image_blocks
@@ -22,6 +23,12 @@ def validate_model_for_sp(
     """Raise a ``ValueError`` (the same on every rank, before any collective) if ``model`` can't run SP; else return
     the ``(ulysses, ring)`` split of ``sp_size`` for its heads."""
     name = type(model).__name__
+    if getattr(model.config.get_text_config(), "alibi", False):  # Falcon's: through the prepared mask SP drops
+        raise ValueError(
+            f"{name} uses ALiBi (config.alibi=True): its position bias reaches attention inside the prepared "
+            f"attention mask, which sequence parallelism (sp_size={sp_size}) replaces by the documents' causal "
+            "pattern. Use sp_size=1 for this model, or a rotary variant (alibi=False)."
+        )
     if not uses_attention_registry(model):
         raise ValueError(
             f"{name} computes attention without the transformers attention registry (AttentionInterface), so "
@@ -30,6 +37,7 @@ def validate_model_for_sp(
         )
     check_multimodal(model, sp_size)
     check_sequence_mixers(text_decoder(model), sp_size)  # a VLM's encoders keep their own kernels
+    check_cache_arguments(text_decoder(model))  # the swapped modules' cache argument (transformers >= 5.24)
     position_rules(text_decoder(model), model.config.get_text_config())  # Llama-4's chunks and NoPE temperature
     shapes = attention_shapes(model.config)
     if not shapes:  # a pure state-space model (Mamba2ForCausalLM): no heads to split, only the sequence

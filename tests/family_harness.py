@@ -121,6 +121,7 @@ FAMILY_EXTRA = {
         "index_n_heads": 16,
         "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 8},
     },
+    "kolibri1_1": {"index_num_heads": 1, "head_dim": 16},  # 5.25: its indexer heads within key head 0's queries
     "qwen4_exp_text": dict(  # top-2 blocks of 4 tokens (16 indexer heads: no exact zero-score ties, as for DSA)
         indexer_n_heads=16,
         indexer_kv_heads=1,

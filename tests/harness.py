@@ -474,6 +474,7 @@ class Case:
     tol: float = EXACT  # EXACT: judged by tests/exactness.py (float64 past it); another: a plain bar (bf16)
     float64: bool = False  # both runs wholly in float64 (exactness.judge's float64 run)
     inject: tuple[float, bool] | None = None  # a negative control's SP error (exactness.inject_error), SP run only
+    hub_kernels: bool = False  # the SP run's model kernelized as from_pretrained does by default from transformers 5.25
 
     @property
     def dp_size(self) -> int:
@@ -555,6 +556,20 @@ def record_inputs(model) -> list[dict[str, torch.Tensor]]:
     return seen
 
 
+def enable_checkpointing(model, **kwargs) -> None:
+    """``activation_checkpointing_enable`` (transformers >= 5.24), else its earlier name."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable(**kwargs)
+
+
+# TrainingArguments' activation checkpointing switch: ``activation_checkpointing`` from transformers 5.24
+CHECKPOINTING_ARG = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in __import__("transformers").TrainingArguments.__dataclass_fields__
+    else "gradient_checkpointing"
+)
+
+
 def quiet_args(out_dir: str, steps: int) -> dict:
     """TrainingArguments every comparison run shares: fixed seed, CPU, a log line per step, no saving or reporting."""
     return dict(
@@ -579,6 +594,9 @@ def build_trainer(case: Case, sp: bool, out_dir: str, ddp: bool = False, **extra
 
     reset_backend_state()
     model = tiny_model(case.family, attn=case.attn, **case.model_overrides)
+    if sp and case.hub_kernels:
+        model.set_use_kernels(True)  # kernelize: what from_pretrained does (use_kernels=None) from transformers 5.25
+        assert model.use_kernels
     if case.float64:
         model = widened(model)
     global_batch = case.batch_size * case.dp_size

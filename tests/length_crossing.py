@@ -93,6 +93,7 @@ NOT_THRESHOLDS = {
 # Length settings of families SP refuses today (not crossed: a refused family never runs)
 OF_REFUSED_FAMILIES = {
     "compress_rates": "DeepSeek-V4's compression ratios",
+    "index_compression": "Kolibri-1.1's indexed attention (transformers 5.25; its own NVFP4 top-k mask)",
     "mem_len": "XLNet's memory",
     "clamp_len": "XLNet's relative positions",
     "context_length": "RWKV's kernel length",

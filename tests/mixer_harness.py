@@ -24,6 +24,7 @@ from hf_sp_trainer.mixers.rg_lru import recurrent_block_forward, sp_rnn_scan
 from hf_sp_trainer.mixers.runs import shard_runs
 from hf_sp_trainer.mixers.selective_scan import sp_selective_scan
 from hf_sp_trainer.mixers.varlen_checks import seq_idx_capable, varlen_capable
+from hf_sp_trainer.model import hub_functions
 from hf_sp_trainer.sharding import SequenceSharding
 from hf_sp_trainer.topology import release_groups, sp_topology
 
@@ -127,7 +128,7 @@ def segmentwise_varlen(core):
     """``core`` (transformers' torch delta rule, which refuses ``cu_seqlens``) as a kernel that takes them: each
     sequence of the one row ``cu_seqlens`` cuts, from its own initial state, through ``core``'s torch path; the
     varlen kernel contract of FLA's, for the CPU tier without FLA."""
-    torch_path = getattr(core, "__wrapped__", core)
+    torch_path = hub_functions.torch_path(core)
 
     def varlen(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None, **kw):
         kw.pop("cu_seqlens_cpu", None)
@@ -259,7 +260,7 @@ def check_mamba2(
 def segmentwise_seq_idx(scan):
     """transformers' torch Mamba2 scan (which refuses ``seq_idx``) as one that takes it: each stretch of one
     ``seq_idx`` value from a zero state, the final state the last stretch's; mamba_ssm's contract, for the CPU tier."""
-    torch_path = getattr(scan, "__wrapped__", scan)
+    torch_path = hub_functions.torch_path(scan)
 
     def packed(x, dt, A, B, C, seq_idx=None, initial_states=None, return_final_states=False, **kw):
         if seq_idx is None:

@@ -10,7 +10,15 @@ import torch
 from hf_sp_trainer.integrations.memory_budget import KEPT_LAYERS_LOG, largest_over_ranks
 from hf_sp_trainer.memory.checkpointing import KEEP_BUDGET_MARK
 from hf_sp_trainer.memory.keep_budget import KeepBudget, budget_bytes, exchange_kept_bytes, sequence_aware_kept_bytes
-from tests.harness import logged_steps, quiet_args, run_distributed, synthetic_dataset, tiny_model, unwrap_results
+from tests.harness import (
+    enable_checkpointing,
+    logged_steps,
+    quiet_args,
+    run_distributed,
+    synthetic_dataset,
+    tiny_model,
+    unwrap_results,
+)
 
 pytestmark = pytest.mark.unit  # in-process
 
@@ -113,7 +121,7 @@ def test_offloaded_checkpoints_train_like_full_checkpointing():
     grads = []
     for offload in (False, True):
         model = tiny_model("llama").train()
-        model.activation_checkpointing_enable()
+        enable_checkpointing(model)
         hooks = HostOffload("cpu", min_bytes=1)
         keep = KeepBudget(budget=1.0, layer_bytes=1.0, keep_context=KEEP, offload_bytes=1.0, offload=hooks)
         keep.per_token, keep.measured_steps, keep.layers = (1e9, 2, 1) if offload else (0.0, 0, 0)

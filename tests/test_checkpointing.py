@@ -29,9 +29,11 @@ from hf_sp_trainer.memory.checkpointing import (
 )
 from hf_sp_trainer.memory.offload import HostOffload
 from tests.harness import (
+    CHECKPOINTING_ARG,
     Case,
     assert_case,
     compare,
+    enable_checkpointing,
     run_cases,
     run_distributed,
     synthetic_dataset,
@@ -100,7 +102,7 @@ def test_sequence_aware_skips_attention_recompute(attn, recomputed_kernel_ops):
     for policy in ("off", "full", "sequence_aware"):
         model = copy.deepcopy(base)
         if policy != "off":
-            model.activation_checkpointing_enable()
+            enable_checkpointing(model)
         if policy == "sequence_aware":
             from hf_sp_trainer.memory.checkpointing import sequence_aware_context_fn
 
@@ -130,7 +132,7 @@ def test_sequence_aware_recomputes_the_hybrid_mixers(family):
         model = copy.deepcopy(base)
         assert keep_documents_apart(model) is not None
         if policy != "off":
-            model.activation_checkpointing_enable()
+            enable_checkpointing(model)
         if policy == "sequence_aware":
             wrap_checkpointed_layers(model, sequence_aware_context_fn)
         runs[policy] = _forward_backward(model, inputs)
@@ -149,7 +151,7 @@ def test_offload_hooks_move_the_checkpointed_hidden_states():
     inputs = {"input_ids": ids, "labels": ids}
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
     for m in (ref, model):
-        m.activation_checkpointing_enable()
+        enable_checkpointing(m)
     hooks = HostOffload(device_type="cpu", min_bytes=0)
     for layer in checkpointed_modules(model):
         layer._gradient_checkpointing_func = MemoryCheckpoint(layer._gradient_checkpointing_func, None, hooks)
@@ -173,7 +175,7 @@ def test_selective_policy_with_offload_says_where_kept_tensors_go():
     inputs = {"input_ids": ids, "labels": ids}
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
     for m in (ref, model):
-        m.activation_checkpointing_enable()
+        enable_checkpointing(m)
     hooks = HostOffload(device_type="cpu", min_bytes=0)
     seen = []
     for layer in checkpointed_modules(model):
@@ -257,7 +259,7 @@ def test_sp_sft_trainer_routes_activation_offloading_to_ours(tmp_path, caplog, f
             train_dataset=sft_dataset("text", 4, 0),
             processing_class=build_char_tokenizer(),
         )
-    assert args.activation_checkpointing and args.checkpoint_offloading  # TRL checkpoints by default
+    assert getattr(args, CHECKPOINTING_ARG) and args.checkpoint_offloading  # TRL checkpoints by default
     assert not args.activation_offloading  # TRL's flag: off, whichever name was used
     assert isinstance(trainer.maybe_activation_offload_context, contextlib.nullcontext)
     assert "checkpoint_offloading=True has no effect on CPU" in caplog.text
@@ -293,7 +295,7 @@ def _recompute_counts(policy: str, out_dir: str) -> dict:
     inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     if auto:
         trainer.train()
-    model.activation_checkpointing_enable()  # as Trainer.train does first
+    enable_checkpointing(model)  # as Trainer.train does first
     forward, backward, grads = _forward_backward(model.train(), inputs)
     keys = (SP_ATTENTION_OP, ALL_TO_ALL_OP, PACKED_OP)
     keep = getattr(model, KEEP_BUDGET_MARK, None)

@@ -134,13 +134,13 @@ def test_checks_pass_and_catch_what_they_guard():
 
 
 def test_hy_v4_vl_indexer_check_catches_the_text_rope(monkeypatch):
-    """HY-V4-VL's indexer is HY-V4's but for its RoPE (interleaved pairs, in fp32): its projection computed with the
-    text module's half-split RoPE fails its check."""
+    """HY-V4-VL's indexer rotates interleaved pairs (in fp32): its projection computed with a half-split RoPE
+    (DeepSeek-V3.2's; HY-V4's own before transformers 5.25) fails its check."""
     indexer = hy_v4_vl.HYV4VLIndexer
 
     def half_split_rope(module, *args):
         with monkeypatch.context() as m:
-            m.setattr(hy_v4_vl, "apply_rotary_pos_emb", hy_v4.apply_rotary_pos_emb)
+            m.setattr(hy_v4_vl, dsa._rope_called(indexer), v32.apply_rotary_pos_emb)
             return dsa.hy_v4_projection(module, *args)
 
     monkeypatch.setitem(PROJECTIONS, indexer.__name__, half_split_rope)

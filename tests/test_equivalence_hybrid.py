@@ -3,12 +3,15 @@ attention) under SP: SPTrainer on 2 and 4 gloo processes trains exactly like pla
 are one document each (transformers' own forward leaks these layers' state across packed documents; SP keeps every
 document apart, at every sp_size)."""
 
+import importlib.util
+
 import pytest
 import torch
 
 from tests.exactness import assert_exact
 from tests.harness import EXACT, PURE_SSM, Case, check_sp_case, sp_runs_by_world, tiny_model
 from tests.sft_harness import SFTCase
+from tests.upstream import BEFORE_CACHE_ARGUMENT, CACHE_ARGUMENT
 
 pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
 
@@ -52,6 +55,13 @@ WORLD2 = [
     # the selection recomputed in the backward; its indexer gets no gradient (as on one device), which SPTrainer tells
     # DDP of once checkpointing is on (transformers then leaves find_unused_parameters off)
     Case("qwen4_exp_qsa_grad_ckpt", family="qwen4_exp", sp_overrides=CHECKPOINTING, **SGD),
+    # kernelized as from_pretrained loads it by default from transformers 5.25 (`kernels` installed: no CPU hub
+    # kernel for these layers, so kernelize keeps them; SP swaps their layer functions and kernels as without)
+    *[
+        Case(f"{family}_hub_kernels", family=family, hub_kernels=True, **SGD)
+        for family in ("qwen3_5", "granitemoehybrid", "jamba")
+        if importlib.util.find_spec("kernels") is not None
+    ],
 ]
 WORLD4 = [
     Case("sp4_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, **SGD),  # a document over >= 3 ranks
@@ -67,6 +77,9 @@ WORLD4 = [
     Case("dp2sp2_jamba_mamba1", family="jamba", sp_size=2, world_size=4, grad_accum=2, model_overrides=NO_AUX, **SGD),
     Case("relay_hybrid2x2_qwen3_5_gdn", family="qwen3_5", sp_size=4, world_size=4, sp_overrides=RING2 | RELAY, **SGD),
 ]
+
+if not CACHE_ARGUMENT:  # Qwen4-Exp's QSA and PLE layers take `cache` from transformers 5.24: refused before it
+    WORLD2, WORLD4 = ([c for c in cases if c.family != "qwen4_exp"] for cases in (WORLD2, WORLD4))
 
 
 @torch.no_grad()
@@ -124,7 +137,8 @@ def _sp1_run(family: str, collator, sp_trainer: bool, out_dir: str) -> dict:
 
 @pytest.mark.parametrize(
     "family",
-    ["qwen3_5", "lfm2", "minimax", "mamba2", "jamba", "mamba", "recurrent_gemma", "qwen4_exp", "deepseek_v4"],
+    ["qwen3_5", "lfm2", "minimax", "mamba2", "jamba", "mamba", "recurrent_gemma", "deepseek_v4"]
+    + (["qwen4_exp"] if CACHE_ARGUMENT else []),  # before transformers 5.24: refused (test_mixers_detect.py)
 )
 def test_sp_size_1_keeps_packed_documents_apart(family, tmp_path):
     """SPTrainer(sp_size=1) on position_ids-packed rows trains like plain Trainer on one document per row; plain
@@ -144,6 +158,7 @@ def test_sp_size_1_keeps_packed_documents_apart(family, tmp_path):
     assert rel(leaky["params"], ref["params"]) > 10 * rel(ours["params"], ref["params"])
 
 
+@pytest.mark.skipif(not CACHE_ARGUMENT, reason=BEFORE_CACHE_ARGUMENT)
 def test_minimax_m3_packed_rows_refused_at_sp_size_1(tmp_path):
     """MiniMax-M3's block selection at sp_size 1 is transformers' own, whose key blocks sit at row slots: a row packed
     from several documents is refused (it trained 0.4% off each document alone); one document per row runs."""

@@ -11,8 +11,22 @@ from hf_sp_trainer.model.decoder import forward_decoder
 from hf_sp_trainer.model.mixers import covered_mixers
 from hf_sp_trainer.validate import validate_model_for_sp
 from tests.family_harness import build_model
+from tests.upstream import CACHE_ARGUMENT, family_module
+
+
+def family_for_type(model_type: str) -> bool:
+    """This transformers has the model type (a text config of a VLM family counts as its family)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return model_type in CONFIG_MAPPING_NAMES and family_module(model_type.removesuffix("_text")) is not None
+
 
 pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
+
+try:
+    import kernels as _KERNELS
+except ImportError:  # transformers before 5.25 doesn't need it
+    _KERNELS = None
 
 REFUSED = {  # model type, class: what the error must name
     "zaya": ("ZayaForCausalLM", ["Conv1d", "a convolution over the sequence"]),
@@ -36,6 +50,15 @@ EXACT = {
     "glm5_next_text": "Glm5NextTextModel",  # pooled DSA (attention/pooled_dsa.py) and KDA layers (no causal LM)
     "deepseek_v4": "DeepseekV4ForCausalLM",  # window + compressed entries: its attention's forward swapped
     "doge": "DogeForCausalLM",  # a learned per-key bias and its top-k (attention/doge.py): its forward swapped
+}
+
+# the families whose SP version takes the `cache` argument (transformers >= 5.24): their tiny model, its class
+CACHE_ARGUMENT_FAMILIES = {
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+    "hy_v4": "HYV4ForCausalLM",
+    "qwen4_exp_text": "Qwen4ExpForCausalLM",
+    "minimax_m3_vl_text": "MiniMaxM3VLForCausalLM",
 }
 
 
@@ -75,7 +98,7 @@ def test_refused_naming_the_layer(model_type: str) -> None:
         assert fragment in message, f"{fragment!r} not in {message!r}"
 
 
-@pytest.mark.parametrize("model_type", list(EXACT))
+@pytest.mark.parametrize("model_type", [t for t in EXACT if family_for_type(t)])
 def test_attention_only_models_pass(model_type: str) -> None:
     model = build_model(model_type, EXACT[model_type])
     assert sequence_mixers(model) == []
@@ -145,7 +168,9 @@ COVERED = {  # hybrid models whose mixers SP runs exactly (hf_sp_trainer.mixers.
 }
 
 
-@pytest.mark.parametrize("model_type", list(COVERED))
+@pytest.mark.parametrize(
+    "model_type", [t for t in COVERED if family_for_type(t) and (CACHE_ARGUMENT or t not in CACHE_ARGUMENT_FAMILIES)]
+)
 def test_covered_hybrid_mixers_pass(model_type: str) -> None:
     class_name, mixer = COVERED[model_type]
     model = build_model(model_type, class_name)
@@ -177,20 +202,84 @@ def test_layer_types_alone_are_enough() -> None:
     assert found == [("config.layer_types[1]", "linear_attention", "a non-attention layer type")]
 
 
+@pytest.mark.skipif(CACHE_ARGUMENT, reason="transformers >= 5.24: these families run under SP (their own tests)")
+@pytest.mark.parametrize("model_type", [t for t in CACHE_ARGUMENT_FAMILIES if family_for_type(t)])
+def test_cache_argument_families_refused_before_5_24(model_type: str) -> None:
+    """Before transformers 5.24 these modules take ``past_key_values`` (their callers pass it so) where SP's
+    versions take ``cache``: refused by name, before any collective, instead of failing inside a forward."""
+    from hf_sp_trainer.mixers.swap import check_mixer_kernels
+
+    with pytest.raises(ValueError, match=r"takes past_key_values \(transformers before 5.24\)"):
+        check_mixer_kernels(build_model(model_type, CACHE_ARGUMENT_FAMILIES[model_type]))
+
+
+def test_alibi_is_refused() -> None:
+    """Falcon with ALiBi (transformers 5.25 runs Falcon through the attention registry): its bias lives in the prepared
+    mask SP replaces, so it is refused by name, on every supported version; its rotary default is exact (the family
+    suite)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True)
+    with pytest.raises(ValueError, match=r"uses ALiBi \(config.alibi=True\)"):
+        validate_model_for_sp(FalconForCausalLM(config), 2)
+
+
 def test_hook_sits_where_the_attention_kwargs_flow() -> None:
     """OPTForCausalLM calls ``model.decoder`` directly: the pre-hook must be on the decoder, not on ``model``."""
     assert type(forward_decoder(build_model("opt", "OPTForCausalLM"))).__name__ == "OPTDecoder"
     assert type(forward_decoder(build_model("llama", "LlamaForCausalLM"))).__name__ == "LlamaModel"
 
 
-def test_use_kernels_refused() -> None:
-    """Hub kernels (``use_kernels=True``) would replace the functions SP swaps: refused before any collective."""
-    from hf_sp_trainer.mixers.swap import check_mixer_kernels
+def _hub_layer_mapping(layer_name: str, forward):
+    """A ``kernels`` mapping of ``layer_name`` on CPU to a layer whose forward is ``forward``: what a hub kernel
+    repository hands ``kernelize`` (any object with ``load()`` and ``layer_name``: kernels' repository protocol)."""
+    import kernels
 
-    model = build_model("bamba", "BambaForCausalLM")
-    model._use_kernels = True
-    with pytest.raises(ValueError, match="use_kernels=True"):
+    layer = type("HubLayer", (torch.nn.Module,), {"forward": forward})
+
+    class InMemoryRepository:
+        def __init__(self) -> None:
+            self.layer_name = layer_name
+
+        def load(self) -> type:
+            return layer
+
+        def __hash__(self) -> int:
+            return hash(layer_name)
+
+    return kernels.use_kernel_mapping({layer_name: {"cpu": {kernels.Mode.TRAINING: InMemoryRepository()}}})
+
+
+@pytest.mark.skipif(_KERNELS is None, reason="kernels is not installed (transformers before 5.25 needs none)")
+def test_kernelized_hybrid_runs_unless_a_hub_kernel_replaced_its_layer() -> None:
+    """transformers 5.25 kernelizes what from_pretrained loads (``use_kernels`` on by default): on a device with no
+    hub kernel for a mixer layer ``kernelize`` keeps the layer, and SP swaps its functions as without kernels; a hub
+    kernel that replaces a mixer layer's whole forward would never reach them: refused, naming the layer, before
+    any collective (again at every forward: ``model.train()`` kernelizes again)."""
+    import kernels
+
+    from hf_sp_trainer.mixers.swap import check_mixer_kernels, hub_layer_check
+
+    model = build_model("qwen3_5_text", "Qwen3_5ForCausalLM")
+    if not hasattr(type(model.model.layers[0].linear_attn), "kernel_layer_name"):
+        pytest.skip("this transformers has no hub layers (before 5.25)")
+    model.set_use_kernels(True)  # transformers' kernelize: no CPU kernel for these layers, the class forward kept
+    assert model.use_kernels
+    check_mixer_kernels(model)
+    check = hub_layer_check(model)
+    check()
+
+    def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+        return hidden_states
+
+    with _hub_layer_mapping("Qwen3_5GatedDeltaNet", forward):
+        kernels.kernelize(model, device="cpu", mode=kernels.Mode.TRAINING)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.linear_attn \(Qwen3_5GatedDeltaNet\) runs a hub kernel"):
         check_mixer_kernels(model)
+    with pytest.raises(ValueError, match="reset_kernels"):
+        check()  # the check a forward runs, built before the layer was replaced
+    model.reset_kernels()
+    check()
 
 
 def test_pure_mamba2_splits_the_sequence_only() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import gc
+import importlib
 import logging
 import pathlib
 import sys
@@ -98,7 +99,7 @@ def test_the_refusal_names_the_installed_version_and_the_tested_range():
         patches.patch(mixtral, "load_balancing_loss_func", replacement=abs, check=lambda fn: False, reason="testing")
     message = str(error.value)
     assert f"installed transformers {__import__('transformers').__version__}" in message
-    assert "hf_sp_trainer is tested with transformers" in message and "<5.25" in message
+    assert "hf_sp_trainer is tested with transformers" in message and "<5.26" in message
     assert patches.find(mixtral, "load_balancing_loss_func") is None
 
 
@@ -277,11 +278,11 @@ def test_the_scan_finds_swaps(tmp_path):
 # -- what a trainer built in this process applies ------------------------------------------------------------------
 def _hybrid_trainer(tmp_path, model):
     from hf_sp_trainer import SPTrainer, TrainingArguments
-    from tests.harness import quiet_args, synthetic_dataset
+    from tests.harness import CHECKPOINTING_ARG, quiet_args, synthetic_dataset
 
     args = TrainingArguments(
         **quiet_args(str(tmp_path), 1), per_device_train_batch_size=2, remove_unused_columns=False,
-        sp_size=1, tiled_mlp=True, fused_loss=True, checkpoint_policy="sequence_aware", activation_checkpointing=True,
+        sp_size=1, tiled_mlp=True, fused_loss=True, checkpoint_policy="sequence_aware", **{CHECKPOINTING_ARG: True},
     )  # fmt: skip
     return SPTrainer(model=model, args=args, train_dataset=synthetic_dataset(4, seed=1))
 
@@ -319,7 +320,7 @@ def test_a_trainer_lists_its_patches_and_undo_all_restores_them(tmp_path):
     before = len(patches.applied())
     _hybrid_trainer(tmp_path / "b", model)  # the same model again: no second layer of anything
     assert len(patches.applied()) == before
-    assert module.causal_conv1d_fn.__wrapped__ is kernels["causal_conv1d_fn"]
+    assert getattr(module.causal_conv1d_fn, patches.ORIGINAL_ATTR) is kernels["causal_conv1d_fn"]
 
     del trainer
     gc.collect()
@@ -330,6 +331,13 @@ def test_a_trainer_lists_its_patches_and_undo_all_restores_them(tmp_path):
     assert {n: type(m) for n, m in model.named_modules() if n in layers} == layers
     assert {n: type(m) for n, m in model.named_modules() if n in mlps} == mlps
     assert all("_gradient_checkpointing_func" in vars(m) for m in checkpointed_modules(model))  # transformers' own
+
+
+def _present(module: str, names: tuple[str, ...]) -> set[str]:
+    """``transformers.models.<module>.<name>`` for the names the installed module has (a ``Class[path].attr``
+    label counts when the class is there): what a run can patch on this transformers."""
+    installed = importlib.import_module(f"transformers.models.{module}")
+    return {f"{installed.__name__}.{n}" for n in names if hasattr(installed, n.split("[")[0])}
 
 
 def _sp_run_patches(family: str, out_dir: str) -> list[tuple[str, str, str]]:
@@ -353,17 +361,15 @@ def _sp_run_patches(family: str, out_dir: str) -> list[tuple[str, str, str]]:
         ("llama", set()),
         ("qwen3_moe", {"transformers.models.qwen3_moe.modeling_qwen3_moe.load_balancing_loss_func",
                        "transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func"}),
-        ("qwen3_5", {f"transformers.models.qwen3_5.modeling_qwen3_5.{name}" for name in (  # + recompute in scope
-            "causal_conv1d_fn", "torch_chunk_gated_delta_rule", "causal_conv1d_update",
+        ("qwen3_5", _present("qwen3_5.modeling_qwen3_5", (  # + recompute in scope; 5.25: the layer function
+            "causal_conv1d_fn", "torch_chunk_gated_delta_rule", "causal_conv1d_update", "causal_conv1d_forward",
             "torch_recurrent_gated_delta_rule", "Qwen3_5DecoderLayer[model.layers.0].__class__",
-            "Qwen3_5DecoderLayer[model.layers.1].__class__")}),
-        ("jamba", {f"transformers.models.{name}" for name in (  # Mamba1 + MoE; the layers: recompute in scope
-            *(f"jamba.modeling_jamba.{kernel}" for kernel in (
-                "causal_conv1d_fn", "mamba_selective_scan", "mamba_inner_fn", "causal_conv1d_update",
-                "mamba_selective_state_update", "load_balancing_loss_func",
-                "JambaMambaDecoderLayer[model.layers.0].__class__",
-                "JambaAttentionDecoderLayer[model.layers.1].__class__")),
-            "mixtral.modeling_mixtral.load_balancing_loss_func")}),
+            "Qwen3_5DecoderLayer[model.layers.1].__class__"))),
+        ("jamba", _present("jamba.modeling_jamba", (  # Mamba1 + MoE; the layers: recompute in scope
+            "causal_conv1d_fn", "mamba_selective_scan", "mamba_inner_fn", "causal_conv1d_update",  # inner fn: < 5.25
+            "mamba_selective_state_update", "load_balancing_loss_func", "causal_conv1d_forward", "mamba_scan_forward",
+            "JambaMambaDecoderLayer[model.layers.0].__class__", "JambaAttentionDecoderLayer[model.layers.1].__class__",
+        )) | {"transformers.models.mixtral.modeling_mixtral.load_balancing_loss_func"}),
     ],
 )  # fmt: skip
 def test_a_plain_sp_run_applies_only_what_its_model_needs(family, expected, tmp_path):

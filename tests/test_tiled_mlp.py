@@ -19,6 +19,7 @@ from tests.harness import (
     Case,
     assert_case,
     compare,
+    enable_checkpointing,
     run_cases,
     run_distributed,
     tiny_model,
@@ -95,7 +96,7 @@ def test_each_parameter_gradient_is_accumulated_once(lora, checkpointing):
         ref = peft.get_peft_model(ref, config)
         torch.nn.init.normal_(ref.base_model.model.model.layers[0].mlp.up_proj.lora_B.default.weight)
     if checkpointing:
-        ref.base_model.model.activation_checkpointing_enable()
+        enable_checkpointing(ref.base_model.model)
     model = copy.deepcopy(ref)
     apply_tiled_mlp(model, num_shards=5)
     accumulations = Counter()

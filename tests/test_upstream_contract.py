@@ -17,11 +17,12 @@ import inspect
 import pathlib
 import re
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
 from hf_sp_trainer import patches
+from hf_sp_trainer.model import hub_functions
 
 pytestmark = pytest.mark.unit  # in-process
 
@@ -40,6 +41,13 @@ class Member:
     is_: str | None = None
     kind: str | None = None
     imports: tuple[str, ...] = ()
+    transformers: str | None = None  # the transformers versions it exists in (a specifier), where not all supported
+
+    def applies(self) -> bool:
+        from packaging.specifiers import SpecifierSet
+
+        installed = importlib.metadata.version("transformers")
+        return self.transformers is None or SpecifierSet(self.transformers).contains(installed, prereleases=True)
 
 
 QWEN35 = "transformers.models.qwen3_5.modeling_qwen3_5"
@@ -75,7 +83,10 @@ CONTRACT: list[Member] = [
     # -- transformers: the checkpoint function, the trainer's private hooks, configs and models -------------------
     Member("transformers.modeling_layers.GradientCheckpointingLayer.__init_subclass__",
            "memory/checkpointing.py wraps the layer's checkpoint function",
-           refers=("_gradient_checkpointing_func", "gradient_checkpointing")),
+           refers=("_gradient_checkpointing_func", "gradient_checkpointing"), transformers=">=5.24"),
+    Member("transformers.modeling_layers.GradientCheckpointingLayer.__call__",
+           "memory/checkpointing.py wraps the layer's checkpoint function (called here before 5.24)",
+           refers=("_gradient_checkpointing_func", "gradient_checkpointing"), transformers="<5.24"),
     Member("transformers.modeling_utils.PreTrainedModel._set_gradient_checkpointing",
            "memory/checkpointing.py: transformers assigns the layer's checkpoint function here",
            refers=("_gradient_checkpointing_func",)),
@@ -109,8 +120,22 @@ CONTRACT: list[Member] = [
            "parallel.py, validate.py, attention/ulysses.py: the model's attention kernel", kind="property"),
     Member("transformers.modeling_utils.PreTrainedModel._supports_attention_backend",
            "model/mixers.py, validate.py: attention through the registry"),
-    Member("transformers.modeling_utils.PreTrainedModel.use_kernels", "mixers/swap.py reads _use_kernels",
-           kind="property", refers=("_use_kernels",)),
+    Member("transformers.modeling_utils.PreTrainedModel.reset_kernels",
+           "mixers/swap.py names it in its refusal of a hub-replaced mixer layer", params=("self",),
+           transformers=">=5.25"),
+    Member("transformers.modeling_utils.PreTrainedModel.train",
+           "mixers/swap.py: kernelizes again (a mode change), so DocumentHook checks the mixer layers every forward",
+           refers=("kernels_mode",), transformers=">=5.25"),
+    # -- kernels (transformers >= 5.25): what model/hub_functions.py reads of a hub function ----------------------
+    Member("kernels._internals.layer.layer._create_func_module",
+           "model/hub_functions.py: a hub function's decorated function is its forward's closure cell `func`",
+           params=("func",), refers=("func", "forward", "_ACTIVE_KERNEL_FUNCS"), transformers=">=5.25"),
+    Member("kernels._internals.layer.layer.replace_kernel_forward_from_hub",
+           "model/hub_functions.py: a hub function's class has kernel_layer_name", refers=("kernel_layer_name",),
+           transformers=">=5.25"),
+    Member("kernels._internals.layer.layer._replace_forward",
+           "model/hub_functions.py: kernelize binds a forward on the instance (the class's where it found no kernel)",
+           params=("module", "layer"), refers=("forward",), transformers=">=5.25"),
     Member("transformers.modeling_utils.PreTrainedModel.loss_function", "losses/fused.py checks it is its loss",
            kind="property"),
     # -- transformers: the modeling-module functions the registry swaps (hybrid mixers, MoE router loss) -----------
@@ -120,6 +145,15 @@ CONTRACT: list[Member] = [
            params=("hidden_states", "weight", "bias", "activation")),
     Member(f"{QWEN35}.torch_chunk_gated_delta_rule", "mixers/swap.py swaps it (behaviour-checked)", params=DELTA),
     Member(f"{QWEN35}.torch_chunk_gated_delta_rule.__wrapped__", "mixers/swap.py checks the hub wrapper's torch path"),
+    *(Member(f"{m}.causal_conv1d_forward", "mixers/swap.py: under SP the function beneath the hub one (read: it calls "
+             "causal_conv1d_fn)", params=("conv1d", "hidden_states", "cache", "layer_idx", "activation"),
+             refers=("causal_conv1d_fn",), transformers=">=5.25") for m in (QWEN35, BAMBA, JAMBA, MAMBA)),
+    Member(f"{BAMBA}.mamba2_scan_forward", "mixers/swap.py: under SP the function beneath the hub one",
+           params=("module", "hidden_states", "B", "C", "dt", "cache"), refers=("mamba2_chunk_scan",),
+           transformers=">=5.25"),
+    Member(f"{JAMBA}.mamba_scan_forward", "mixers/swap.py: under SP the function beneath the hub one",
+           params=("module", "hidden_states", "time_step", "B", "C", "gate", "cache"),
+           refers=("mamba_selective_scan",), transformers=">=5.25"),
     Member(f"{QWEN35}.causal_conv1d_update", "mixers/swap.py: refused under SP (cached decoding)"),
     Member(f"{QWEN35}.torch_recurrent_gated_delta_rule", "mixers/swap.py: refused under SP (cached decoding)"),
     Member(f"{KIMI}.chunk_kimi_delta_attention", "mixers/swap.py swaps it (behaviour-checked)", params=DELTA),
@@ -134,8 +168,9 @@ CONTRACT: list[Member] = [
     Member(f"{JAMBA}.mamba_selective_state_update", "mixers/swap.py: refused under SP (cached decoding)"),
     Member(f"{MAMBA}.mamba_inner_fn", "mixers/swap.py switches Mamba1's fused path off (checked)",
            params=("xz", "conv1d_weight", "conv1d_bias", "x_proj_weight", "delta_proj_weight", "out_proj_weight")),
-    Member(f"{MINIMAX}.MiniMaxLightningAttention.forward", "mixers/swap.py swaps it (behaviour-checked)",
-           params=("self", "hidden_states", "position_embeddings", "attention_mask", "cache")),
+    *(Member(f"{MINIMAX}.MiniMaxLightningAttention.forward", "mixers/swap.py swaps it (behaviour-checked; either name)",
+             params=("self", "hidden_states", "position_embeddings", "attention_mask", cache), transformers=versions)
+      for cache, versions in (("cache", ">=5.24"), ("past_key_values", "<5.24"))),
     Member(f"{MINIMAX}.apply_mask_to_padding_states", "mixers/lightning.py",
            params=("hidden_states", "attention_mask")),
     Member(f"{RGEMMA}.RecurrentGemmaRecurrentBlock.forward", "mixers/swap.py swaps it (behaviour-checked)",
@@ -163,7 +198,7 @@ CONTRACT: list[Member] = [
       for m, cls in ((HY4, "HYV4"), (HY4VL, "HYV4VL"))),
     *(Member(f"{m}.{cls}Indexer.forward", "mixers/swap.py swaps it; attention/dsa.py recomputes it (hy_v4_projection)",
              params=("self", "hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids",
-                     "cache"), refers=(*INDEXER, "apply_rotary_pos_emb", "softmax_scale"))
+                     "cache"), refers=(*INDEXER, "softmax_scale"))  # its RoPE: dsa._rope_called reads it
       for m, cls in ((HY4, "HYV4"), (HY4VL, "HYV4VL"))),
     Member(f"{G5N}.Glm5NextTextAttention.forward",
            "mixers/selection.py swaps it; attention/pooled_dsa.py runs its projections under SP (behaviour-checked)",
@@ -310,6 +345,12 @@ CONTRACT: list[Member] = [
            params=("dist_backend", "auto_mpi_discovery")),
     Member("atexit._run_exitfuncs", "topology/teardown.py: a finished worker's exit"),
 ]  # fmt: skip
+# The modules whose SP versions take the `cache` argument (selection swaps, token history): transformers >= 5.24,
+# refused before it (mixers/swap.py; test_mixers_detect.test_cache_argument_families_refused_before_5_24)
+CONTRACT = [
+    replace(m, transformers=">=5.24") if m.transformers is None and m.params and "cache" in m.params else m
+    for m in CONTRACT
+]
 
 
 def _split(path: str) -> tuple[object, list[str], str]:
@@ -348,8 +389,8 @@ def resolve(member: Member):
         if isinstance(obj, types.ModuleType) and patches.find(obj, name) is not None:
             obj = patches.original(obj, name)
         else:
-            obj = getattr(obj, name)
-    return obj
+            obj = getattr(hub_functions.plain_function(obj), name)
+    return hub_functions.plain_function(obj)  # transformers >= 5.25: the function beneath a hub function
 
 
 def _code(obj) -> types.CodeType | None:
@@ -407,7 +448,7 @@ def problems(member: Member) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("member", CONTRACT, ids=lambda m: m.path)
+@pytest.mark.parametrize("member", [m for m in CONTRACT if m.applies()], ids=lambda m: m.path)
 def test_upstream_member(member: Member) -> None:
     found = problems(member)
     assert not found, f"{member.path} ({_installed(member.path)}): {'; '.join(found)}. Used by {member.used_by}."

@@ -10,6 +10,7 @@ import torch
 
 from hf_sp_trainer.mixers.linear_state import laid_end_to_end
 from hf_sp_trainer.mixers.varlen_checks import _seq_idx_ok, _varlen_ok, seq_idx_capable, varlen_capable
+from hf_sp_trainer.model import hub_functions
 from tests.mixer_harness import GDN, KDA, SCAN, segmentwise_seq_idx, segmentwise_varlen
 
 pytestmark = pytest.mark.unit  # in-process
@@ -30,7 +31,7 @@ def test_a_kernel_keeping_segments_apart_passes(kernel, channel_decay: bool) -> 
 
 def test_a_kernel_mixing_segments_fails() -> None:
     """Taking ``cu_seqlens`` but running the pieces as one sequence (from the first state) is refused."""
-    torch_path = GDN.__wrapped__
+    torch_path = hub_functions.torch_path(GDN)
 
     def mixing(q, k, v, g, beta, initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None, **kw):
         return torch_path(q, k, v, g=g, beta=beta, initial_state=initial_state[:1], **kw)
@@ -60,7 +61,7 @@ def test_mamba2_torch_path_is_run_segment_by_segment() -> None:
 
 
 def test_a_scan_ignoring_seq_idx_fails() -> None:
-    torch_path = SCAN.__wrapped__
+    torch_path = hub_functions.torch_path(SCAN)
 
     def through(x, dt, A, B, C, seq_idx=None, **kw):  # takes seq_idx, carries the state over the cut
         return torch_path(x, dt, A, B, C, **kw)

@@ -31,6 +31,8 @@ sequence per rank (``ring`` times Ulysses' alone), the selections as without a r
 from __future__ import annotations
 
 import functools
+import inspect
+import re
 import sys
 from collections.abc import Callable
 
@@ -121,8 +123,8 @@ def v32_projection(indexer: torch.nn.Module, hidden_states, q_resid, position_em
 def hy_v4_projection(indexer: torch.nn.Module, hidden_states, q_resid, position_embeddings):
     """``HYV4Indexer.forward``'s (and ``HYV4VLIndexer``'s: its module's RoPE, interleaved): RoPE on the *last*
     ``qk_rope_head_dim`` dims, the key norm in its own (fp32) dtype, the softmax scale folded into the head weights (so
-    the scores are scaled by 1)."""
-    rope = sys.modules[type(indexer).__module__].apply_rotary_pos_emb
+    the scores are scaled by 1); the RoPE function its forward calls (transformers 5.25 made HY-V4's interleaved)."""
+    rope = getattr(sys.modules[type(indexer).__module__], _rope_called(type(indexer)))
     b, s, _ = hidden_states.shape
     heads, dim, rot = indexer.n_heads, indexer.head_dim, indexer.qk_rope_head_dim
     cos, sin = position_embeddings
@@ -135,6 +137,15 @@ def hy_v4_projection(indexer: torch.nn.Module, hidden_states, q_resid, position_
     weights = indexer.weights_proj(hidden_states.to(indexer.weights_proj.weight.dtype)).float()
     weights = weights * heads**-0.5 * indexer.softmax_scale
     return torch.cat([q_pass, q_rot], dim=-1).float(), keys, weights, None
+
+
+@functools.cache
+def _rope_called(cls: type) -> str:
+    """The ``apply_rotary_pos_emb*`` function ``cls.forward`` calls (its modeling module's)."""
+    called = re.findall(r"\b(apply_rotary_pos_emb\w*)\(", inspect.getsource(cls.forward))
+    if len(set(called)) != 1:
+        raise ValueError(f"{cls.__qualname__}.forward calls {sorted(set(called))}, not one RoPE function")
+    return called[0]
 
 
 # Each SP-run indexer class: its projection (queries, keys, head weights) as its forward computes them

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from ..attention.dsa import PROJECTIONS, document_causal, document_ids, selected_attention, sp_index_topk
+from ..model.hub_functions import plain_function, torch_path
 from ..sharding import SequenceSharding
 from .block_checks import block_sparse_ok
 from .check_parts import close, dispatch_device, on_device, random_module, rotary_embedding
@@ -44,7 +45,7 @@ DSA_CHECK_KEY = "hf_sp_dsa_check"  # the attention key DSA's check registers (a 
 def check_fused_fallback(fn: Callable) -> None:
     """transformers' torch fallback of the fused whole-layer Mamba2 path (the hub wrapper's ``__wrapped__``) returns
     ``None``, which the layer reads as 'no fused path': what the SP entry returns under SP."""
-    fallback = getattr(fn, "__wrapped__", fn)
+    fallback = torch_path(fn)
     required = [
         p.name
         for p in inspect.signature(fallback).parameters.values()
@@ -66,13 +67,13 @@ def check_kernel(module_name: str, name: str, fn: Callable, device: torch.device
     check = CHECKS.get(name)
     if check is None:
         return
-    torch_path = getattr(fn, "__wrapped__", fn)
-    runs = [(torch_path, "cpu", "")]
+    reference, installed = torch_path(fn), plain_function(fn)  # under SP the swap calls ``installed``
+    runs = [(reference, "cpu", "")]
     target = dispatch_device(device)
     if target is not None and name in CUDA_DISPATCHED and not target.startswith("cuda"):
         target = None  # a CUDA extension: on the CPU (even under the interpreter) the torch path is all that runs
-    if name in DISPATCHED + CUDA_DISPATCHED and target is not None and (fn is not torch_path or target != "cpu"):
-        runs.append((fn, target, f" (the kernel it dispatches to, on {target})"))
+    if name in DISPATCHED + CUDA_DISPATCHED and target is not None and (installed is not reference or target != "cpu"):
+        runs.append((installed, target, f" (the kernel it dispatches to, on {target})"))
     for impl, where, what in runs:
         if not check(impl, where):
             raise ValueError(

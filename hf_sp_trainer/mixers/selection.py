@@ -270,11 +270,11 @@ def qsa_indexer_entry(original: Callable) -> Callable:
     attention selected already, ``qsa_attention_entry``); transformers' own otherwise."""
 
     @functools.wraps(original)
-    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None):
-        if selection_sp({}, type(self).__name__) is None:
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):  # kwargs: >= 5.25
+        if selection_sp(kwargs, type(self).__name__) is None:
             return original(
                 self, hidden_states=hidden_states, position_embeddings=position_embeddings,
-                attention_mask=attention_mask, cache=cache,
+                attention_mask=attention_mask, cache=cache, **kwargs,
             )  # fmt: skip
         return torch.ones((), dtype=torch.bool, device=hidden_states.device)
 

@@ -12,6 +12,7 @@ its hub wrapper dispatches to where that can run here); a test fails loudly when
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +29,15 @@ from ..documents import (
     scoped_sp_kwargs,
 )
 from ..memory.checkpointing import recompute_region, scope_checkpointed_layers
-from ..model.mixers import DECODE_ONLY_KERNELS, SP_KERNELS, SP_MODULES, covered_mixers
+from ..model.hub_functions import function_name, hub_replaced_layers, plain_function
+from ..model.mixers import (
+    DECODE_ONLY_KERNELS,
+    LAYER_FUNCTIONS,
+    SP_KERNELS,
+    SP_MODULES,
+    covered_mixers,
+    layer_function_problem,
+)
 from ..sharding import SequenceSharding
 from ..topology import SPTopology
 from .causal_conv import sp_causal_conv1d
@@ -115,10 +124,15 @@ def _sp_active(kwargs: dict) -> bool:
     return kwargs.get(BOUNDS_KWARG) is not None or in_sp_forward()
 
 
+def _wraps(original: Callable):
+    """``functools.wraps`` of the function beneath ``original`` (a hub function is an ``nn.Module`` instance)."""
+    return functools.wraps(plain_function(original))
+
+
 def _conv_entry(original: Callable) -> Callable:
-    @functools.wraps(original)
+    @_wraps(original)
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-        bounds, ctx = _sp_call(kwargs, original.__qualname__)
+        bounds, ctx = _sp_call(kwargs, function_name(original))
         if ctx is None:
             return original(hidden_states, weight, bias=bias, activation=activation, **kwargs)
         runs = ctx.runs(bounds, hidden_states.shape[0])
@@ -129,9 +143,11 @@ def _conv_entry(original: Callable) -> Callable:
 
 
 def _gdn_entry(original: Callable) -> Callable:
-    @functools.wraps(original)
+    checked = plain_function(original)  # under SP, what check_kernel checked (never a kernel kernelize picked later)
+
+    @_wraps(original)
     def torch_chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, **kwargs):
-        bounds, ctx = _sp_call(kwargs, original.__qualname__)
+        bounds, ctx = _sp_call(kwargs, function_name(original))
         if ctx is None:
             # by keyword: with flash-linear-attention installed, ``original`` is FLA's kernel, whose 6th parameter is
             # ``scale`` (transformers' hub wrapper drops the ``chunk_size`` FLA doesn't take)
@@ -140,8 +156,8 @@ def _gdn_entry(original: Callable) -> Callable:
         options = {
             k: kwargs[k] for k in ("initial_state", "output_final_state", "use_qk_l2norm_in_kernel") if k in kwargs
         }
-        core = functools.partial(original, chunk_size=chunk_size)
-        varlen = varlen_capable(original, value.device, channel_decay=g.dim() == 4)  # FLA's: one call per list
+        core = functools.partial(checked, chunk_size=chunk_size)
+        varlen = varlen_capable(checked, value.device, channel_decay=g.dim() == 4)  # FLA's: one call per list
         with recompute_region():
             return sp_chunk_gated_delta_rule(
                 core, query, key, value, g, beta, runs, ctx.group, relay=ctx.relay, varlen=varlen, **options
@@ -151,17 +167,19 @@ def _gdn_entry(original: Callable) -> Callable:
 
 
 def _mamba2_entry(original: Callable) -> Callable:
-    @functools.wraps(original)
+    checked = plain_function(original)
+
+    @_wraps(original)
     def mamba2_chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, **kwargs):
-        bounds, ctx = _sp_call(kwargs, original.__qualname__)
+        bounds, ctx = _sp_call(kwargs, function_name(original))
         if ctx is None:
             return original(hidden_states, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias, **kwargs)
         if kwargs.get("initial_states") is not None or kwargs.get("return_final_states", False):
             raise ValueError("Mamba2 under sequence parallelism runs without a cache (use_cache=False).")
         runs = ctx.runs(bounds, hidden_states.shape[0])
         options = {k: kwargs[k] for k in ("dt_softplus", "dt_limit") if k in kwargs}
-        scan = functools.partial(original, chunk_size=chunk_size)
-        varlen = seq_idx_capable(original, hidden_states.device)  # mamba_ssm's: one call per run
+        scan = functools.partial(checked, chunk_size=chunk_size)
+        varlen = seq_idx_capable(checked, hidden_states.device)  # mamba_ssm's: one call per run
         with recompute_region():
             return sp_mamba2_chunk_scan(
                 scan, hidden_states, dt, A, B, C, runs, ctx.group, D=D, dt_bias=dt_bias, relay=ctx.relay,
@@ -173,17 +191,18 @@ def _mamba2_entry(original: Callable) -> Callable:
 
 def _selective_entry(original: Callable) -> Callable:
     """Mamba1's selective scan (Jamba, Mamba, FalconMamba, Zamba), which its mixer calls without ``**kwargs``."""
+    checked = plain_function(original)
 
-    @functools.wraps(original)
+    @_wraps(original)
     def mamba_selective_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, **kwargs):
-        bounds, ctx = _sp_call(kwargs, original.__qualname__)
+        bounds, ctx = _sp_call(kwargs, function_name(original))
         if ctx is None:
             return original(hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, **kwargs)
         if kwargs.get("return_last_state", False):
             raise ValueError("Mamba1 under sequence parallelism runs without a cache (use_cache=False).")
         runs = ctx.runs(bounds, hidden_states.shape[0])
         options = {k: kwargs[k] for k in ("use_mambapy", "use_associative_scan") if k in kwargs}
-        scan = functools.partial(original, **options)
+        scan = functools.partial(checked, **options)
         softplus = kwargs.get("delta_softplus", False)
         with recompute_region():
             return sp_selective_scan(
@@ -199,7 +218,7 @@ def _unfused_entry(original: Callable) -> Callable:
     for Mamba1) returns ``None`` under SP, as its torch fallback always does: the layer then runs its unfused path
     through the swapped kernels."""
 
-    @functools.wraps(original)
+    @_wraps(original)
     def fused_layer(*args, **kwargs):
         if _sp_active(kwargs):
             return None
@@ -209,13 +228,37 @@ def _unfused_entry(original: Callable) -> Callable:
 
 
 def _decode_only_entry(original: Callable) -> Callable:
-    @functools.wraps(original)
+    @_wraps(original)
     def decode_kernel(*args, **kwargs):
         if _sp_active(kwargs):
-            raise ValueError(f"{original.__name__} (cached decoding) can't run under sequence parallelism.")
+            raise ValueError(f"{function_name(original)} (cached decoding) can't run under sequence parallelism.")
         return original(*args, **kwargs)
 
     return decode_kernel
+
+
+def _layer_function_entry(original: Callable) -> Callable:
+    """A layer-level function of transformers >= 5.25 (``causal_conv1d_forward``, ``mamba2_scan_forward``,
+    ``mamba_scan_forward``: the cache handling around the kernels, a hub function ``kernelize`` may replace whole):
+    under SP transformers' own function beneath it, whose kernel calls reach the swapped kernels; outside SP the
+    installed one unchanged."""
+    plain = plain_function(original)
+
+    @_wraps(original)
+    def layer_function(*args, **kwargs):
+        if _sp_active(kwargs):
+            return plain(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    return layer_function
+
+
+def _check_layer_function(fn: Callable) -> None:
+    """The function beneath the installed layer-level function mixes the sequence only through the swapped kernels
+    (a reading of its code, as the mixer detection reads a layer's forward)."""
+    problem = layer_function_problem(plain_function(fn))
+    if problem:
+        raise ValueError(problem)
 
 
 def _lightning_entry(original: Callable) -> Callable:
@@ -241,10 +284,10 @@ def _ngram_entry(original: Callable) -> Callable:
     """Qwen4-Exp's n-gram embedding (``Qwen4ExpTextNGramEmbedding``): under SP each document's own history."""
 
     @functools.wraps(original)
-    def forward(self, input_ids, cache=None):
-        bounds, ctx = _sp_call({}, original.__qualname__)
+    def forward(self, input_ids, cache=None, **kwargs):  # kwargs: transformers >= 5.25 passes the layer's on
+        bounds, ctx = _sp_call(kwargs, original.__qualname__)
         if ctx is None:
-            return original(self, input_ids=input_ids, cache=cache)
+            return original(self, input_ids=input_ids, cache=cache, **kwargs)
         if cache is not None:
             raise ValueError("Qwen4-Exp's n-gram embedding under sequence parallelism runs without a cache.")
         runs = ctx.runs(bounds, input_ids.shape[0])
@@ -257,10 +300,10 @@ def _ple_conv_entry(original: Callable) -> Callable:
     """Qwen4-Exp's PLE conv (``Qwen4ExpTextPLELayer._short_conv``): under SP a causal conv with its halo."""
 
     @functools.wraps(original)
-    def _short_conv(self, hidden_states, cache=None):
-        bounds, ctx = _sp_call({}, original.__qualname__)
+    def _short_conv(self, hidden_states, cache=None, **kwargs):  # kwargs: transformers >= 5.25 passes the layer's on
+        bounds, ctx = _sp_call(kwargs, original.__qualname__)
         if ctx is None:
-            return original(self, hidden_states=hidden_states, cache=cache)
+            return original(self, hidden_states=hidden_states, cache=cache, **kwargs)
         if cache is not None:
             raise ValueError("Qwen4-Exp's PLE conv under sequence parallelism runs without a cache.")
         with recompute_region():
@@ -325,8 +368,9 @@ ENTRIES: dict[str, Callable[[Callable], Callable]] = {
     "mamba2_split_conv1d_scan_combined": _unfused_entry,
     "mamba_selective_scan": _selective_entry,
     "mamba_inner_fn": _unfused_entry,
+    **dict.fromkeys(LAYER_FUNCTIONS, _layer_function_entry),  # transformers >= 5.25
 }
-assert set(ENTRIES) == set(SP_KERNELS), "detect.SP_KERNELS must name exactly the swapped kernels"
+assert set(ENTRIES) == set(SP_KERNELS) | set(LAYER_FUNCTIONS), "model.mixers must name exactly the swapped functions"
 # Mixer classes with no kernel function to hook: class name -> (the method swapped, its entry, why)
 MODULE_ENTRIES: dict[str, tuple[str, Callable[[Callable], Callable], str]] = {
     "MiniMaxLightningAttention": ("forward", _lightning_entry, "the exact SP lightning attention"),
@@ -365,6 +409,7 @@ _REASONS: dict[Callable, str] = {
     _selective_entry: "the exact SP Mamba1 selective scan (recurrent state passed across the SP ranks)",
     _unfused_entry: "switch a fused whole-layer Mamba path off under SP (the layer falls back to the swapped kernels)",
     _decode_only_entry: "refuse cached-decoding kernels inside an SP forward (SP runs without a cache)",
+    _layer_function_entry: "run transformers' own layer-level function under SP, so its kernels are the swapped ones",
 }
 # Entries with nothing to check: outside an SP forward they call the installed function unchanged, inside one they
 # raise instead of calling it, so no property of the installed function is relied on.
@@ -392,6 +437,8 @@ def attach_mixers(model: torch.nn.Module, documents: DocumentHook, state_passing
                 check, unchecked = functools.partial(_kernel_check, module_name, name, device), None
             elif entry is _unfused_entry:
                 check, unchecked = check_fused_fallback, None
+            elif entry is _layer_function_entry:
+                check, unchecked = _check_layer_function, None
             else:
                 check, unchecked = None, _UNCHECKED[entry]
             patches.patch(module, name, wrap=entry, check=check, unchecked=unchecked, reason=_REASONS[entry], fix=_FIX)
@@ -399,24 +446,55 @@ def attach_mixers(model: torch.nn.Module, documents: DocumentHook, state_passing
     for cls in sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__):
         if cls.__name__ in MODULE_ENTRIES:
             attr, entry, why = MODULE_ENTRIES[cls.__name__]
-            check = functools.partial(check_module, cls, attr=attr)
+            check = functools.partial(_check_module, cls, attr, entry)
             patches.patch(cls, attr, wrap=entry, check=check, reason=f"{why} (no kernel function to hook)", fix=_FIX)
             swapped.append(f"{cls.__module__}.{cls.__name__}.{attr}")
     if swapped:  # a checkpoint recompute finds SP's kwargs where the forward found them (and never falls back)
         scope_checkpointed_layers(model)
+    check = hub_layer_check(model)
+    check()
+    documents.forward_checks["hub layers"] = check
     documents.context["mixers"] = MixerContext(documents.topology, documents.sharding, state_passing)
     return swapped
 
 
-def check_mixer_kernels(model: torch.nn.Module) -> None:
-    """The checks of ``attach_mixers`` alone, with no side effect: a ``ValueError`` before any collective. A model
-    kernelized from the hub (``use_kernels=True``) may run whole hybrid layers in one fused kernel that bypasses
-    the swapped functions: refused."""
-    if getattr(model, "_use_kernels", False) and covered_mixers(model):
+def _check_module(cls: type, attr: str, entry: Callable[[Callable], Callable], installed: Callable) -> None:
+    """``check_module``, after ``_check_cache_argument``."""
+    _check_cache_argument(cls, attr, entry, installed)
+    check_module(cls, installed, attr=attr)
+
+
+def _check_cache_argument(cls: type, attr: str, entry: Callable[[Callable], Callable], installed: Callable) -> None:
+    """An entry that takes the ``cache`` argument (the name transformers gives the cache from 5.24) needs an installed
+    method that takes it too (before 5.24 these modules take ``past_key_values``, and their callers pass it so),
+    unless both take ``**kwargs``: else the call would fail, so refused, naming the version."""
+    takes = inspect.signature(entry(installed), follow_wrapped=False).parameters
+    installed_takes = inspect.signature(installed).parameters
+
+    def open_ended(parameters) -> bool:  # a **kwargs: the other name passes through harmlessly (SP runs cacheless)
+        return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+    renamed = "cache" in takes and "cache" not in installed_takes and "past_key_values" in installed_takes
+    if renamed and not (open_ended(takes) and open_ended(installed_takes)):
         raise ValueError(
-            f"{type(model).__name__} was loaded with use_kernels=True: hub kernels may replace its hybrid layers "
-            "whole, bypassing sequence parallelism's exact conv and state passing. Load it without use_kernels."
+            f"{cls.__module__}.{cls.__name__}.{attr} takes past_key_values (transformers before 5.24), where "
+            "hf_sp_trainer's sequence-parallel version of it takes the cache as `cache`: use transformers >= 5.24 "
+            "for this model under SP, or sp_size=1."
         )
+
+
+def check_cache_arguments(model: torch.nn.Module) -> None:
+    """``_check_cache_argument`` for every class of ``model`` SP swaps a method of (signatures only: cheap, for
+    ``validate_model_for_sp``)."""
+    for cls in sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__):
+        if cls.__name__ in MODULE_ENTRIES:
+            attr, entry, _ = MODULE_ENTRIES[cls.__name__]
+            _check_cache_argument(cls, attr, entry, patches.original(cls, attr))
+
+
+def check_mixer_kernels(model: torch.nn.Module) -> None:
+    """The checks of ``attach_mixers`` alone, with no side effect: a ``ValueError`` before any collective."""
+    refuse_hub_layers(model)
     device = parameter_device(model)
     for module_name in sorted({type(m).__module__ for m in model.modules()}):
         module = sys.modules.get(module_name)
@@ -424,8 +502,43 @@ def check_mixer_kernels(model: torch.nn.Module) -> None:
             continue
         for name in ENTRIES:
             if getattr(module, name, None) is not None:
-                check_kernel(module_name, name, patches.original(module, name), device)
+                if name in LAYER_FUNCTIONS:
+                    _check_layer_function(patches.original(module, name))
+                else:
+                    check_kernel(module_name, name, patches.original(module, name), device)
     for cls in {type(m) for m in model.modules()}:
         if cls.__name__ in MODULE_ENTRIES:
-            attr = MODULE_ENTRIES[cls.__name__][0]
-            check_module(cls, patches.original(cls, attr), attr=attr)
+            attr, entry, _ = MODULE_ENTRIES[cls.__name__]
+            _check_module(cls, attr, entry, patches.original(cls, attr))
+
+
+def refuse_hub_layers(model: torch.nn.Module) -> None:
+    """Raise where a hub kernel replaced a mixer layer's whole forward (``hub_layer_check``), before any collective."""
+    hub_layer_check(model)()
+
+
+def hub_layer_check(model: torch.nn.Module) -> Callable[[], None]:
+    """A check of ``model``'s covered mixer layers. A model kernelized from the hub (``use_kernels=True``,
+    transformers' default from 5.25) keeps its hybrid layers unless ``kernelize`` found a hub kernel for a mixer
+    layer's whole forward on its device: that layer would never reach the swapped functions. ``attach_mixers`` runs
+    it, and ``DocumentHook`` before every SP forward's first collective (``model.train()`` / ``eval()`` kernelize
+    again). A hub kernel for one of the swapped functions needs no check: under SP the swap calls the function it
+    checked."""
+    covered = covered_mixers(model)
+    mixers = [(n, m) for n, m in model.named_modules() if n in covered and hasattr(type(m), "kernel_layer_name")]
+    originals = [f for _, m in mixers if (f := getattr(type(m).forward, patches.ORIGINAL_ATTR, None)) is not None]
+    name, classes = type(model).__name__, {n: type(m).__name__ for n, m in mixers}  # no reference to the model:
+    # the check lives in its decoder's hook
+
+    def check() -> None:
+        replaced = hub_replaced_layers(mixers, originals)
+        if replaced:
+            layer = classes[replaced[0]]
+            raise ValueError(
+                f"{name}: {replaced[0]} ({layer}) runs a hub kernel in place of its forward (kernelize, from "
+                "use_kernels=True on this device), which would bypass sequence parallelism's exact conv and state "
+                "passing. Call model.reset_kernels() (or load with use_kernels=False, or a KernelConfig whose "
+                "mapping leaves this layer out) before training with SP."
+            )
+
+    return check

@@ -28,6 +28,8 @@ import torch
 from torch.nn.modules.conv import _ConvNd
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from .hub_functions import plain_function
+
 # Class names of non-attention sequence mixers (state spaces, linear attention, recurrences, short convolutions).
 MIXER_CLASS = re.compile(
     r"Mamba|SSM|Rglru|RGLRU|Recurrent|Lightning|LinearAttention|Delta|Rwkv|RWKV|LSTM|ShortConv|Retention|Hyena"
@@ -119,6 +121,10 @@ SP_MODULES = (
     *SP_INDEXERS,
     *SP_BLOCK_INDEXERS,
 )
+# transformers >= 5.25's layer-level functions (the cache handling around the kernels; hub functions ``kernelize`` may
+# replace whole): swapped to run transformers' own function under SP, so a layer calling one is covered when that
+# function mixes the sequence only through ``SP_KERNELS`` (``layer_function_problem``).
+LAYER_FUNCTIONS = ("causal_conv1d_forward", "mamba2_scan_forward", "mamba_scan_forward")
 # Kernels of cached decoding only (unreachable under SP, which runs without a cache; swapped to raise if reached).
 DECODE_ONLY_KERNELS = (
     "causal_conv1d_update",
@@ -233,8 +239,7 @@ def covered_mixers(model: torch.nn.Module) -> set[str]:
         if type(module).__name__ in SP_MODULES:
             covered.add(name)
             continue
-        calls = _global_calls(type(module))
-        mixing = {c for c in calls if MIXING_FUNCTION.search(c)}
+        mixing = _mixing_calls(type(module))
         convs = [n for n, child in module.named_children() if isinstance(child, _ConvNd)]
         if (
             mixing & set(SP_KERNELS)
@@ -276,15 +281,47 @@ def _may_slide(cls: type) -> bool:
 def _unsupported(cls: type) -> str:
     """`` mixing through f, g`` for the sequence-mixing functions of ``cls.forward`` that SP has no exact version of
     (Mamba1's selective scan, ...), else empty."""
-    calls = {c for c in _global_calls(cls) if MIXING_FUNCTION.search(c)} - set(SP_KERNELS) - set(DECODE_ONLY_KERNELS)
+    calls = _mixing_calls(cls) - set(SP_KERNELS) - set(DECODE_ONLY_KERNELS)
     return f" mixing through {', '.join(sorted(calls))}, which SP has no exact version of" if calls else ""
 
 
 @cache
-def _global_calls(cls: type) -> frozenset[str]:
-    """Names of the plain functions ``cls.forward`` calls (``f(...)``, not ``self.f(...)``)."""
+def _mixing_calls(cls: type) -> frozenset[str]:
+    """The sequence-mixing functions ``cls.forward`` calls, those of the ``LAYER_FUNCTIONS`` it calls in their place
+    (a layer function with no mixing call of its own stays: nothing proves it exact)."""
+    mixing = set()
+    for name in (c for c in _global_calls(cls) if MIXING_FUNCTION.search(c)):
+        inner = _layer_function_calls(sys.modules.get(cls.__module__), name) if name in LAYER_FUNCTIONS else None
+        mixing |= inner or {name}
+    return frozenset(mixing)
+
+
+def _layer_function_calls(module, name: str) -> set[str] | None:
+    function = getattr(module, name, None)
+    if function is None:
+        return None
+    return {c for c in _global_calls(plain_function(function)) if MIXING_FUNCTION.search(c)} or None
+
+
+def layer_function_problem(function) -> str | None:
+    """Why the function beneath a layer-level function (``LAYER_FUNCTIONS``) can't run exactly under SP with the swapped
+    kernels (it mixes the sequence through something else, or through none of them), else ``None``."""
+    mixing = {c for c in _global_calls(function) if MIXING_FUNCTION.search(c)}
+    if not mixing & set(SP_KERNELS) or not mixing <= set(SP_KERNELS) | set(DECODE_ONLY_KERNELS):
+        where = f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', function)}"
+        return (
+            f"{where} mixes the sequence through {sorted(mixing) or 'no kernel function'}, not only through the "
+            f"kernels SP swaps ({', '.join(SP_KERNELS)})"
+        )
+    return None
+
+
+@cache
+def _global_calls(target) -> frozenset[str]:
+    """Names of the plain functions a class's ``forward`` (or a function) calls (``f(...)``, not ``self.f(...)``)."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+        source = inspect.getsource(target.forward if isinstance(target, type) else target)
+        tree = ast.parse(textwrap.dedent(source))
     except (OSError, TypeError, SyntaxError):
         return frozenset()
     return frozenset(n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name))

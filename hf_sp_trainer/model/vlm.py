@@ -62,7 +62,7 @@ VERIFIED = frozenset(
         *("VipLlavaModel", "VideoLlavaModel", "LlavaNextVideoModel", "QianfanOCRModel"),
         # Llama-4: the VLM is its own base (vision_model, multi_modal_projector, language_model); tiles, features
         # in last_hidden_state; its decoder's chunked attention and NoPE temperature: attention/position_rules.py.
-        # (transformers 5.24's forward fails on a dict output, on one device too: tests/multimodal_llama4.py)
+        # (before transformers 5.25 its forward fails on a dict output, on one device too: tests/multimodal_llama4.py)
         "Llama4ForConditionalGeneration",
         "Kimi_K25Model",  # 1-D positions, a DeepSeek-V3 decoder (MLA, MoE); videos pooled per chunk of frames
         "Dots3NoteModel",  # 1-D positions; DSA + sliding-window MLA; no audio
