@@ -258,7 +258,8 @@ def test_kernelized_hybrid_runs_unless_a_hub_kernel_replaced_its_layer() -> None
     any collective (again at every forward: ``model.train()`` kernelizes again)."""
     import kernels
 
-    from hf_sp_trainer.mixers.swap import check_mixer_kernels, hub_layer_check
+    from hf_sp_trainer.mixers.hub_layers import hub_layer_check
+    from hf_sp_trainer.mixers.swap import check_mixer_kernels
 
     model = build_model("qwen3_5_text", "Qwen3_5ForCausalLM")
     if not hasattr(type(model.model.layers[0].linear_attn), "kernel_layer_name"):

@@ -12,7 +12,6 @@ its hub wrapper dispatches to where that can run here); a test fails loudly when
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,14 +28,12 @@ from ..documents import (
     scoped_sp_kwargs,
 )
 from ..memory.checkpointing import recompute_region, scope_checkpointed_layers
-from ..model.hub_functions import function_name, hub_replaced_layers, plain_function
+from ..model.hub_functions import function_name, plain_function
 from ..model.mixers import (
     DECODE_ONLY_KERNELS,
     LAYER_FUNCTIONS,
     SP_KERNELS,
     SP_MODULES,
-    covered_mixers,
-    layer_function_problem,
 )
 from ..sharding import SequenceSharding
 from ..topology import SPTopology
@@ -49,6 +46,7 @@ from .checks import (
     parameter_device,
 )
 from .gated_deltanet import sp_chunk_gated_delta_rule
+from .hub_layers import check_cache_argument, check_layer_function, hub_layer_check
 from .lightning import lightning_forward
 from .mamba2 import sp_mamba2_chunk_scan
 from .rg_lru import recurrent_block_forward, sp_rnn_scan
@@ -253,14 +251,6 @@ def _layer_function_entry(original: Callable) -> Callable:
     return layer_function
 
 
-def _check_layer_function(fn: Callable) -> None:
-    """The function beneath the installed layer-level function mixes the sequence only through the swapped kernels
-    (a reading of its code, as the mixer detection reads a layer's forward)."""
-    problem = layer_function_problem(plain_function(fn))
-    if problem:
-        raise ValueError(problem)
-
-
 def _lightning_entry(original: Callable) -> Callable:
     """MiniMax's lightning attention: its forward with the recurrence run by ``lightning_forward`` under SP."""
     padding = sys.modules[original.__module__].apply_mask_to_padding_states
@@ -438,7 +428,7 @@ def attach_mixers(model: torch.nn.Module, documents: DocumentHook, state_passing
             elif entry is _unfused_entry:
                 check, unchecked = check_fused_fallback, None
             elif entry is _layer_function_entry:
-                check, unchecked = _check_layer_function, None
+                check, unchecked = check_layer_function, None
             else:
                 check, unchecked = None, _UNCHECKED[entry]
             patches.patch(module, name, wrap=entry, check=check, unchecked=unchecked, reason=_REASONS[entry], fix=_FIX)
@@ -460,27 +450,8 @@ def attach_mixers(model: torch.nn.Module, documents: DocumentHook, state_passing
 
 def _check_module(cls: type, attr: str, entry: Callable[[Callable], Callable], installed: Callable) -> None:
     """``check_module``, after ``_check_cache_argument``."""
-    _check_cache_argument(cls, attr, entry, installed)
+    check_cache_argument(cls, attr, entry, installed)
     check_module(cls, installed, attr=attr)
-
-
-def _check_cache_argument(cls: type, attr: str, entry: Callable[[Callable], Callable], installed: Callable) -> None:
-    """An entry that takes the ``cache`` argument (the name transformers gives the cache from 5.24) needs an installed
-    method that takes it too (before 5.24 these modules take ``past_key_values``, and their callers pass it so),
-    unless both take ``**kwargs``: else the call would fail, so refused, naming the version."""
-    takes = inspect.signature(entry(installed), follow_wrapped=False).parameters
-    installed_takes = inspect.signature(installed).parameters
-
-    def open_ended(parameters) -> bool:  # a **kwargs: the other name passes through harmlessly (SP runs cacheless)
-        return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-
-    renamed = "cache" in takes and "cache" not in installed_takes and "past_key_values" in installed_takes
-    if renamed and not (open_ended(takes) and open_ended(installed_takes)):
-        raise ValueError(
-            f"{cls.__module__}.{cls.__name__}.{attr} takes past_key_values (transformers before 5.24), where "
-            "hf_sp_trainer's sequence-parallel version of it takes the cache as `cache`: use transformers >= 5.24 "
-            "for this model under SP, or sp_size=1."
-        )
 
 
 def check_cache_arguments(model: torch.nn.Module) -> None:
@@ -489,12 +460,12 @@ def check_cache_arguments(model: torch.nn.Module) -> None:
     for cls in sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__):
         if cls.__name__ in MODULE_ENTRIES:
             attr, entry, _ = MODULE_ENTRIES[cls.__name__]
-            _check_cache_argument(cls, attr, entry, patches.original(cls, attr))
+            check_cache_argument(cls, attr, entry, patches.original(cls, attr))
 
 
 def check_mixer_kernels(model: torch.nn.Module) -> None:
     """The checks of ``attach_mixers`` alone, with no side effect: a ``ValueError`` before any collective."""
-    refuse_hub_layers(model)
+    hub_layer_check(model)()
     device = parameter_device(model)
     for module_name in sorted({type(m).__module__ for m in model.modules()}):
         module = sys.modules.get(module_name)
@@ -503,42 +474,10 @@ def check_mixer_kernels(model: torch.nn.Module) -> None:
         for name in ENTRIES:
             if getattr(module, name, None) is not None:
                 if name in LAYER_FUNCTIONS:
-                    _check_layer_function(patches.original(module, name))
+                    check_layer_function(patches.original(module, name))
                 else:
                     check_kernel(module_name, name, patches.original(module, name), device)
     for cls in {type(m) for m in model.modules()}:
         if cls.__name__ in MODULE_ENTRIES:
             attr, entry, _ = MODULE_ENTRIES[cls.__name__]
             _check_module(cls, attr, entry, patches.original(cls, attr))
-
-
-def refuse_hub_layers(model: torch.nn.Module) -> None:
-    """Raise where a hub kernel replaced a mixer layer's whole forward (``hub_layer_check``), before any collective."""
-    hub_layer_check(model)()
-
-
-def hub_layer_check(model: torch.nn.Module) -> Callable[[], None]:
-    """A check of ``model``'s covered mixer layers. A model kernelized from the hub (``use_kernels=True``,
-    transformers' default from 5.25) keeps its hybrid layers unless ``kernelize`` found a hub kernel for a mixer
-    layer's whole forward on its device: that layer would never reach the swapped functions. ``attach_mixers`` runs
-    it, and ``DocumentHook`` before every SP forward's first collective (``model.train()`` / ``eval()`` kernelize
-    again). A hub kernel for one of the swapped functions needs no check: under SP the swap calls the function it
-    checked."""
-    covered = covered_mixers(model)
-    mixers = [(n, m) for n, m in model.named_modules() if n in covered and hasattr(type(m), "kernel_layer_name")]
-    originals = [f for _, m in mixers if (f := getattr(type(m).forward, patches.ORIGINAL_ATTR, None)) is not None]
-    name, classes = type(model).__name__, {n: type(m).__name__ for n, m in mixers}  # no reference to the model:
-    # the check lives in its decoder's hook
-
-    def check() -> None:
-        replaced = hub_replaced_layers(mixers, originals)
-        if replaced:
-            layer = classes[replaced[0]]
-            raise ValueError(
-                f"{name}: {replaced[0]} ({layer}) runs a hub kernel in place of its forward (kernelize, from "
-                "use_kernels=True on this device), which would bypass sequence parallelism's exact conv and state "
-                "passing. Call model.reset_kernels() (or load with use_kernels=False, or a KernelConfig whose "
-                "mapping leaves this layer out) before training with SP."
-            )
-
-    return check
