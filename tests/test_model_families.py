@@ -104,6 +104,9 @@ def test_models_md(outcomes: dict[str, dict], ring_outcomes: dict[str, dict]) ->
     path = models_md_path()
     committed = open(path).read() if os.path.exists(path) else ""
     problem = models_md_problem(committed, render(outcomes, ring_outcomes, classify_vlms()))
+    if problem and path != MODELS_MD:  # another supported minor's table
+        minor = os.path.basename(path).removeprefix("models-").removesuffix(".md")
+        problem = f"{os.path.relpath(path)} (`python scripts/compat_table.py --minors {minor}`): {problem}"
     assert problem is None, problem
 
 
