@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -45,6 +44,8 @@ STATUSES = ("exact", "refused", "out of scope", "can't build", "nothing to cross
 FINE = ("exact", "refused", "out of scope", "can't build", "nothing to cross")  # what the suite accepts
 CLASSIFIED = ("exact", "refused", "out of scope", "nothing to cross")  # the rest is listed under the failures
 REGENERATE = "python scripts/compat_table.py --minors 5.22,5.23,5.24,5.25"
+sys.path.insert(0, ROOT)  # tests/doc_links.py (no third-party imports: this script runs outside the venvs)
+from tests.doc_links import relink  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -231,11 +232,6 @@ def run_minor(minor: str, version: str, args, log) -> dict:
     _write_json(json_path, data)
     log(f"transformers {version}: family suite {suite_s:.0f} s, exit {result.returncode}; {counts_text(data)}")
     return data
-
-
-def relink(text: str) -> str:
-    """``docs/models.md``'s relative links (``[x](families.md)``) as seen from ``docs/compat/``."""
-    return re.sub(r"\]\((?![a-z]+:|#|\.\./)([^)\s]+)\)", r"](../\1)", text)
 
 
 # ----------------------------------------------------------------------------------------------------------------
