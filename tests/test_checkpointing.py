@@ -144,14 +144,20 @@ def test_sequence_aware_recomputes_the_hybrid_mixers(family):
         assert _max_rel(runs[policy][2], runs["off"][2]) == 0.0
 
 
-def test_offload_hooks_move_the_checkpointed_hidden_states():
-    """The CUDA path's hooks with host copies on CPU: one hidden state per layer leaves and comes back exactly."""
-    base = tiny_model("qwen3").train()
-    ids = torch.randint(3, 128, (2, 24), generator=torch.Generator().manual_seed(1))
-    inputs = {"input_ids": ids, "labels": ids}
+def _checkpointed_pair(family: str, shape: tuple[int, int], seed: int):
+    """Two copies of a tiny ``family`` model with activation checkpointing on (a reference and one to modify), and
+    random ``shape`` inputs labelled with themselves."""
+    base = tiny_model(family).train()
+    ids = torch.randint(3, 128, shape, generator=torch.Generator().manual_seed(seed))
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
     for m in (ref, model):
         enable_checkpointing(m)
+    return ref, model, {"input_ids": ids, "labels": ids}
+
+
+def test_offload_hooks_move_the_checkpointed_hidden_states():
+    """The CUDA path's hooks with host copies on CPU: one hidden state per layer leaves and comes back exactly."""
+    ref, model, inputs = _checkpointed_pair("qwen3", (2, 24), seed=1)
     hooks = HostOffload(device_type="cpu", min_bytes=0)
     for layer in checkpointed_modules(model):
         layer._gradient_checkpointing_func = MemoryCheckpoint(layer._gradient_checkpointing_func, None, hooks)
@@ -170,12 +176,7 @@ def test_selective_policy_with_offload_says_where_kept_tensors_go():
 
     from hf_sp_trainer.memory.checkpointing import sequence_aware_context_fn
 
-    base = tiny_model("llama").train()
-    ids = torch.randint(3, 128, (1, 32), generator=torch.Generator().manual_seed(2))
-    inputs = {"input_ids": ids, "labels": ids}
-    ref, model = copy.deepcopy(base), copy.deepcopy(base)
-    for m in (ref, model):
-        enable_checkpointing(m)
+    ref, model, inputs = _checkpointed_pair("llama", (1, 32), seed=2)
     hooks = HostOffload(device_type="cpu", min_bytes=0)
     seen = []
     for layer in checkpointed_modules(model):
