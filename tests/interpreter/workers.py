@@ -206,7 +206,7 @@ CASES = {
 def serve(cases: list[tuple[str, str, dict]]) -> dict[str, dict]:
     """In a spawned gloo world: every ``(name, kind, kwargs)`` case (``kind``: a key of ``CASES``) in turn, inside
     ``cuda_calls_on_cpu`` (mamba_ssm); a case that raises is recorded, agreed over the ranks, and the next one runs."""
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=900))
     from transformers.utils import logging
 
     logging.set_verbosity_error()
