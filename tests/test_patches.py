@@ -198,6 +198,7 @@ ALLOWED = {
     ("memory/arguments.py", "resolve_deprecated_flags"): "our own config's deprecated field moved to its new name",
     ("integrations/accelerate_sp.py", "apply_environ"): "the one entry point of the accelerate SP route",
     ("cli/launch.py", "train_or_launch"): "every command's entry point: DeepSpeed's accelerator (setdefault)",
+    ("trainers/resume.py", "prepare_resume"): "our own trainers' generation counters (GENERATION_COUNTERS) restored",
 }
 
 

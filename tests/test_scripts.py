@@ -52,6 +52,7 @@ def _hf_sp(script: Path) -> Callable[[Path], str]:
 JOBS: dict[str, Callable[[Path], str]] = {
     **{f"lora/{Path(s).stem}": _hf_sp(Path(s)) for s in LORA},
     "slurm": lambda out: run_smoke(ROOT / "slurm" / "sft-zero3-offload.sbatch", out),  # picks its own port
+    "slurm_preemptible": lambda out: run_smoke(ROOT / "slurm" / "sft-preemptible.sbatch", out),  # its own port
     "dpo": _hf_sp(ROOT / "preference" / "qwen3-8b-lora-dpo-64k.sh"),
     "grpo": _hf_sp(ROOT / "grpo" / "qwen3-4b-lora-grpo-long-completions.sh"),
     "vlm": _hf_sp(ROOT / "vlm" / "qwen2.5-vl-7b-lora-multi-image-64k.sh"),
@@ -99,6 +100,16 @@ def test_slurm_zero3_offload_smoke(smokes):
     """The SLURM example's recipe (torchrun, DeepSpeed ZeRO-3 with CPU offload, sp_size 2) on one CPU machine."""
     _, out = smokes.result("slurm")
     assert (out / "out" / "trainer_state.json").exists()
+
+
+@pytest.mark.launches("slurm_preemptible")
+def test_slurm_preemptible_smoke(smokes):
+    """The SLURM preemption example on one CPU machine: SIGTERM after the first checkpoint, the run saves and exits
+    75, the script runs the job again, which resumes from the newest complete checkpoint and trains every step once."""
+    stdout, out = smokes.result("slurm_preemptible")
+    assert "training exited with 75" in stdout and "requeue" in stdout, stdout
+    assert "resuming from" in stdout and stdout.rstrip().endswith("training exited with 0"), stdout
+    assert logged(out / "out", "loss") == list(range(1, 25))
 
 
 @pytest.mark.launches("dpo")

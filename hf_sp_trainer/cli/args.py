@@ -19,6 +19,16 @@ retrieval documents on CPU with 2 processes and sp_size 2.
 """
 
 
+def sp_size_flag(value: str) -> int | str:
+    """``--sp_size``: a positive integer or ``auto`` (resolved by the trainer in each worker, not by the launcher)."""
+    from ..trainers.auto_sp import parse_sp_size
+
+    try:
+        return parse_sp_size(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     pass
 
@@ -50,6 +60,9 @@ def make_parser(prog: str = "hf-sp-sft", config_cls: type | None = None, script_
             return super().parse_args_into_dataclasses(args, return_remaining_strings, **kwargs)
 
     parser = Parser((script_args_cls or ScriptArguments, config_cls, ModelConfig, DatasetMixtureConfig), prog=prog)
+    for action in parser._actions:  # HfArgumentParser types `int | str` as int: `--sp_size auto` must parse
+        if action.dest == "sp_size":
+            action.type = sp_size_flag
     parser.epilog = EPILOG
     parser.formatter_class = _HelpFormatter
     return parser

@@ -138,18 +138,19 @@ def run(training_args, model_args) -> None:
     from ..trainers.sft import SPSFTTrainer
 
     start = time.time()
-    sp_size, seed = training_args.sp_size, training_args.seed
+    seed = training_args.seed
     torch.manual_seed(seed)
     tokenizer = build_char_tokenizer()
     documents = passkey_curriculum_dataset(seed, BATCH, short_batches=SHORT_BATCHES, long_batches=LONG_BATCHES)
     train = tokenize_completions(documents, tokenizer)  # the loss on the key (+ EOS): the filler is random
-    evals = passkey_eval_dataset(EVAL_PER_LENGTH, EVAL_LENGTHS, seed=seed + 1, sp_size=max(sp_size, 2))
     trainer = SPSFTTrainer(
         model=build_model(model_args.attn_implementation),
         args=training_args,
         train_dataset=train,
         processing_class=tokenizer,
     )
+    sp_size = trainer.args.sp_size  # an int, "auto" resolved
+    evals = passkey_eval_dataset(EVAL_PER_LENGTH, EVAL_LENGTHS, seed=seed + 1, sp_size=max(sp_size, 2))
     setup_s = time.time() - start
     output = trainer.train()
     train_s = output.metrics["train_runtime"]

@@ -15,12 +15,12 @@ import argparse
 import json
 import os
 import sys
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 from .. import planner
 from ..planner import GIB, MIB, ModelShape, Setting
+from ..planner.auto import model_shape, vision_params  # noqa: F401 (vision_params: moved there, kept importable)
 from ..planner.sparse import check_setting
-from ..planner.vision import VisionShape
 
 
 def load_shape(model: str) -> ModelShape:
@@ -34,26 +34,7 @@ def load_shape(model: str) -> ModelShape:
     elif os.path.isfile(model):  # path/NAME/config.json or path/NAME.json
         stem = os.path.splitext(os.path.basename(model))[0]
         name = os.path.basename(os.path.dirname(os.path.abspath(model))) if stem == "config" else stem
-    shape = ModelShape.from_config(config, name=name or model)
-    vision = VisionShape.from_config(config, vision_params(config)) if hasattr(config, "vision_config") else None
-    return replace(shape, vision=vision) if vision else shape
-
-
-def vision_params(config) -> int:
-    """A VLM's parameters outside its text decoder and LM head (vision tower, projector), counted on the meta
-    device."""
-    import torch
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-    from ..model.vlm import text_decoder
-
-    cls = getattr(transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[config.model_type])
-    with torch.device("meta"):
-        model = cls(config)
-    text = {id(p) for p in text_decoder(model).parameters()}
-    text |= {id(p) for p in model.get_output_embeddings().parameters()}
-    return sum(p.numel() for p in model.parameters() if id(p) not in text)
+    return model_shape(config, name=name or model)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

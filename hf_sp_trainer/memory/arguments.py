@@ -84,8 +84,9 @@ class MemoryArguments:
     checkpoint_memory_budget: float | None = field(
         default=None,
         metadata={
-            "help": "With checkpoint_policy='auto': the memory one rank may use, in bytes (> 1), or as a fraction of "
-            "the CUDA device's memory (<= 1). Needed by 'auto', ignored otherwise."
+            "help": "With checkpoint_policy='auto' or sp_size='auto': the memory one rank may use, in bytes (> 1), or "
+            "as a fraction of the CUDA device's memory (<= 1). Needed by checkpoint_policy='auto'; sp_size='auto' "
+            "takes the device's memory without it. Ignored otherwise."
         },
     )
 

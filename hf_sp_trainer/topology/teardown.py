@@ -80,17 +80,18 @@ def _noting_failures(previous):
     return excepthook
 
 
-def exit_finished_worker() -> NoReturn:
-    """End a launched worker whose job is done with exit code 0: the exit hooks run (ours: the teardown above; the
-    trackers' and libraries'), logs and stdio are flushed, then ``os._exit(0)``. That skips only the C++ static
+def exit_finished_worker(code: int = 0) -> NoReturn:
+    """End a launched worker whose job is done with exit code ``code``: the exit hooks run (ours: the teardown above;
+    the trackers' and libraries'), logs and stdio are flushed, then ``os._exit(code)``. That skips only the C++ static
     destructors, where a finished gloo process still aborts now and then (``terminate called without an active
     exception``) after its groups were destroyed, so that the launcher reports a job that saved its model as failed.
-    For workers only (``hf-sp-sft`` and the TRL commands): a library never ends its caller's process."""
+    For workers only (``hf-sp-sft`` and the TRL commands, code 0) and a preempted training (``trainers.preemption``,
+    code 75 after its checkpoint, opt-out): otherwise a library never ends its caller's process."""
     atexit._run_exitfuncs()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _at_exit() -> None:

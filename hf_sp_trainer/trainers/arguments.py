@@ -12,17 +12,20 @@ from ..integrations.accelerate_sp import apply_to_args, route_accelerate_sp
 from ..memory import MemoryArguments
 from ..mixers.swap import STATE_PASSING, check_state_passing
 from ..topology import check_ring_size, check_world
+from .auto_sp import AUTO, parse_sp_size
 
 
 @dataclass
 class SequenceParallelArguments:
     """The SP fields, shared by ``TrainingArguments`` and the TRL configs."""
 
-    sp_size: int = field(
+    sp_size: int | str = field(
         default=1,
         metadata={
             "help": "Sequence-parallel size: each sequence is split over this many ranks (world = dp x sp), as "
-            "ulysses x ring. 1 disables sequence parallelism."
+            "ulysses x ring. 1 disables sequence parallelism. 'auto': the trainer picks the smallest sp whose "
+            "predicted peak fits the device memory (checkpoint_memory_budget if set), from the model, the longest "
+            "row (max_length, else the train dataset's) and the world size, and logs it; ValueError if none fits."
         },
     )
     sp_ring_size: int | None = field(
@@ -76,10 +79,18 @@ class SequenceParallelArguments:
     def _check_sequence_parallel(self) -> None:
         # ParallelismConfig(sp_size=...) / PARALLELISM_CONFIG_SP_SIZE: this config's fields only; the environment is
         # rewritten when the trainer builds its Accelerator (SequenceParallelMixin.create_accelerator_and_postprocess)
+        self.sp_size = parse_sp_size(self.sp_size)
         apply_to_args(self, route_accelerate_sp(self))
+        check_state_passing(self.sp_state_passing)
+        if self.sp_size == AUTO:  # the trainer resolves it (trainers/auto_sp.py): it has the model and the rows
+            if self.sp_ring_size is not None:
+                raise ValueError(
+                    f"sp_ring_size={self.sp_ring_size} with sp_size='auto': the planner picks the ring with sp (the "
+                    "default split). Set sp_size to an integer to fix the ring, or leave sp_ring_size unset."
+                )
+            return
         check_world(self.sp_size, self.world_size if self.sp_size > 1 else 1)
         check_ring_size(self.sp_size, self.sp_ring_size)
-        check_state_passing(self.sp_state_passing)
 
 
 @dataclass

@@ -23,7 +23,7 @@ from transformers.trainer_pt_utils import BatchRebalanceSampler
 from transformers.utils import logging
 
 from ..collators import SPDataCollator, SPMultimodalCollator
-from ..integrations import accelerate_sp, cpu_backend
+from ..integrations import accelerate_sp, cpu_backend, ds_universal
 from ..integrations.memory_budget import KeepBudgetCallback
 from ..integrations.throughput import add_throughput_callback, insert_after_default_flow
 from ..losses.sequence import check_loss_options, micro_batch_loss, sp_eval_loss
@@ -35,6 +35,7 @@ from ..model.mixers import has_no_grad_indexers
 from ..model.vlm import is_multimodal
 from ..parallel import SequenceParallel, apply_sequence_parallel, compile_decoder_layers
 from ..topology import release_groups, teardown
+from . import auto_sp, preemption, resume
 from .rebalance import DocumentRebalanceSampler, rebalanced
 
 logger = logging.get_logger(__name__)
@@ -60,27 +61,29 @@ def pad_token_id(model: nn.Module, processing_class: Any) -> int:
 
 
 class SequenceParallelMixin:
-    """Sequence parallelism for a ``transformers.Trainer`` subclass; a no-op when ``args.sp_size == 1`` (except that a
-    hybrid model's linear / SSM / conv layers keep packed documents apart, as they do under SP).
+    """Sequence parallelism for a ``transformers.Trainer`` subclass. At ``args.sp_size == 1`` only the data is as
+    under SP: the same default collator (ragged rows packed), and a hybrid model's linear / SSM / conv layers keep
+    packed documents apart.
 
     Subclasses override ``sp_default_collator`` (the collator used when none is given) and ``sp_after_init`` (what the
     base trainer's own construction needs adjusting for SP); everything else is shared.
     """
 
     sp: SequenceParallel | None = None
+    sp_plan: auto_sp.SPPlan | None = None  # sp_size="auto": the planner's choice (planner.auto.SPPlan)
 
     def __init__(self, *args, **kwargs):
         bound = inspect.signature(super().__init__).bind(*args, **kwargs)
         model, training_args = bound.arguments.get("model"), bound.arguments.get("args")
+        self.sp_plan = auto_sp.resolve(self, bound)  # sp_size="auto": the planner's int, before anything reads it
         sp_size = getattr(training_args, "sp_size", 1)
-        if sp_size > 1:
-            if model is None:
-                raise ValueError("Sequence parallelism (sp_size > 1) needs a model; model_init is not supported.")
-            if bound.arguments.get("data_collator") is None:
-                collator = self.sp_default_collator(bound.arguments.get("processing_class"))
-                if collator is not None and is_multimodal(unwrap_peft(model)):  # per-document positions, media
-                    collator = SPMultimodalCollator(unwrap_peft(model))
-                bound.arguments["data_collator"] = collator
+        if sp_size > 1 and model is None:
+            raise ValueError("Sequence parallelism (sp_size > 1) needs a model; model_init is not supported.")
+        if bound.arguments.get("data_collator") is None:  # at every sp_size: sp_size alone never changes the data
+            collator = self.sp_default_collator(bound.arguments.get("processing_class"))
+            if collator is not None and isinstance(model, nn.Module) and is_multimodal(unwrap_peft(model)):
+                collator = SPMultimodalCollator(unwrap_peft(model))  # per-document positions, media
+            bound.arguments["data_collator"] = collator
         if training_args is not None:  # TRL's activation_offloading means ours (checkpoint_offloading), as it did
             resolve_deprecated_flags(training_args)
             if isinstance(model, nn.Module):  # before the accelerator is built (TRL may get a hub id: no indexer)
@@ -122,8 +125,8 @@ class SequenceParallelMixin:
     sp_shards_batch = True  # False where the model shards inside its forward (the preference trainers' hooks)
 
     def sp_default_collator(self, processing_class: Any):
-        """The collator used with ``sp_size > 1`` when none is given: one packed row per batch (``None``: the base
-        trainer's own)."""
+        """The collator used when none is given, at every ``sp_size`` (ragged rows train at ``sp_size=1`` as under SP):
+        one packed row per batch (``None``: the base trainer's own)."""
         return SPDataCollator()
 
     def sp_after_init(self) -> None:
@@ -271,6 +274,32 @@ class SequenceParallelMixin:
             gathered = gathered[: state.remainder]
         return gathered
 
+    # -- checkpoints: complete ones only, preemption (preemption.py), another layout (resume.py) -------------------
+    sp_preempted = False  # the last train() stopped early on a preemption signal (with HF_SP_PREEMPTION_EXIT_CODE=none)
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest *complete* checkpoint (preemption.py),
+        and a preemption signal (SIGTERM, SIGUSR1) saves the step's checkpoint, stops, then ends the process (75)."""
+        resume_from_checkpoint = preemption.resolve_resume(self, resume_from_checkpoint)  # True: the newest complete
+        resume_from_checkpoint = resume.prepare_resume(self, resume_from_checkpoint)  # checked before any collective
+        return preemption.train(self, super().train, resume_from_checkpoint, *args, **kwargs)
+
+    def _save_checkpoint(self, model, trial):
+        """Trainer's checkpoint, complete only once its marker is written (after every rank saved its part)."""
+        preemption.save_checkpoint(self, super()._save_checkpoint, model, trial)
+
+    def _load_optimizer_and_scheduler(self, checkpoint) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        ds_universal.restore_param_groups(self, checkpoint)  # DeepSpeed ZeRO-3's universal loader: each group's own
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        super()._save_rng_state(output_dir)
+        resume.save_layout(self, output_dir)  # sp_layout.json, inside the checkpoint before trainer_state.json
+
+    def _load_rng_state(self, checkpoint) -> None:
+        if not resume.load_shared_rng_state(self, checkpoint):  # another layout: the matching saved rank's state
+            super()._load_rng_state(checkpoint)
+
     # -- teardown -------------------------------------------------------------------------------------------------
     def end(self):
         """Finish the trackers and destroy the process groups (ours first): every rank, once, at the very end. A script
@@ -284,7 +313,8 @@ class SequenceParallelMixin:
 class SPTrainer(SequenceParallelMixin, transformers.Trainer):
     """``transformers.Trainer`` with sequence parallelism over ``args.sp_size`` ranks (Ulysses x Ring).
 
-    With ``sp_size == 1`` it is ``Trainer`` (hybrid models' packed documents kept apart, as under SP). With
+    With ``sp_size == 1`` it is ``Trainer`` with SP's data (without a collator, examples packed as under SP; hybrid
+    models' packed documents kept apart) and its checkpoints (complete-marked, resumable on another layout). With
     ``sp_size > 1`` the model's attention runs through the SP backend, examples are packed with ``position_ids``
     (``SPDataCollator``) unless a collator is given, each SP group consumes one batch per micro-step, and loss,
     gradients and ``eval_loss`` equal the single-process ones.

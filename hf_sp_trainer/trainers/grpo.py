@@ -97,6 +97,12 @@ class _DPWorldSize:
         return ws // self.sp_size if self._sp_dp_world and self.sp_size > 1 else ws
 
     def _sp_post_init(self, post_init) -> None:
+        if self.sp_size == "auto":
+            raise ValueError(
+                f"sp_size='auto' is not available for {type(self).__name__}: TRL's generation-batch arithmetic counts "
+                "the data-parallel ranks when the config is built, before the trainer can plan. Set sp_size to an "
+                "integer (hf-sp-plan --gpus N prints what fits)."
+            )
         self._sp_dp_world = True
         try:
             post_init()

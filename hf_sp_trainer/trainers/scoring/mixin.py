@@ -26,8 +26,8 @@ def refuse(options: dict[str, Any], why: str, fix: str) -> None:
 
 
 def refuse_precomputed_reference(config: Any) -> None:
-    """DPO / KTO configs: TRL's precomputed reference log-probs would come from unsharded forwards."""
-    if config.sp_size > 1:
+    """DPO / KTO configs: TRL's precomputed reference log-probs would come from unsharded forwards (``"auto"``: may)."""
+    if config.sp_size != 1:
         refuse(
             {"precompute_ref_log_probs": config.precompute_ref_log_probs},
             "TRL precomputes the reference log-probs with unsharded forwards inside the trainer's constructor",
@@ -39,6 +39,7 @@ class PreferenceSPMixin(SequenceParallelMixin):
     """SP for TRL trainers whose loss is built from sequence-level terms (DPO, KTO: log-probs; reward: scores)."""
 
     sp_fuses_lm_loss = True  # TRL's fused LM head (or a classification head): fused_loss has nothing to do
+    sp_rows_per_example = 2  # chosen and rejected (KTO: completion and KL) rows per example (sp_size="auto")
     sp_shards_batch = False  # the model hooks shard inside each forward
     sp_hooks_cls: type = LogProbHooks
     sp_vision_data = False  # TRL's vision batches (DPO, KTO): see tests/test_multimodal_dpo.py
