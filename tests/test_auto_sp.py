@@ -12,7 +12,7 @@ from hf_sp_trainer import SPTrainer, TrainingArguments
 from hf_sp_trainer.planner import GIB, Setting, estimate
 from hf_sp_trainer.planner.auto import choose_sp, model_shape
 from hf_sp_trainer.trainers.auto_sp import longest_row, parse_sp_size
-from tests.harness import run_distributed, synthetic_dataset, tiny_model, unwrap_results
+from tests.harness import CHECKPOINTING_ARG, run_distributed, synthetic_dataset, tiny_model, unwrap_results
 
 pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
 
@@ -75,8 +75,8 @@ def test_choice_splits_with_a_ring_and_on_cpu():
 
 def test_refusal_without_the_memory_stack_names_the_features_that_fit():
     shape = model_shape(transformers.LlamaConfig(**LLAMA_8B), "llama-8b")
-    with pytest.raises(ValueError, match=r"At sp 8 .* 59,392 tokens; with activation_checkpointing=True, fused_loss="
-                       r"True it fits at sp 8 \("):  # fmt: skip
+    fits = r"At sp 8 .* 59,392 tokens; with activation_checkpointing=True \(gradient_checkpointing before transformers "
+    with pytest.raises(ValueError, match=fits + r"5\.24\), fused_loss=True it fits at sp 8 \("):
         choose_sp(shape, 512 * K, 80 * GIB, 8, Setting(gpus=8, sp=1, zero=3, checkpointing="none"))
     everything = Setting(gpus=8, sp=1, tiled_mlp=True, fused_loss=True, offload=True, zero=3, dtype="fp32")
     none_fits = "the best, sp 8 .* not even a 1,024-token row fits; more GPUs .*, LoRA or shorter"
@@ -233,7 +233,7 @@ def test_setting_from_the_arguments(tmp_path):
     from hf_sp_trainer.trainers.auto_sp import _zero_stage, setting_from_args
 
     model = tiny_model("llama")
-    args = TrainingArguments(**_quiet(tmp_path, activation_checkpointing=True, tiled_mlp=True,
+    args = TrainingArguments(**_quiet(tmp_path, **{CHECKPOINTING_ARG: True}, tiled_mlp=True,
                                       checkpoint_policy="sequence_aware"))  # fmt: skip
     sp_trainer = types.SimpleNamespace(sp_fuses_lm_loss=False)
     bound = inspect.signature(transformers.Trainer.__init__).bind(None, model=model, args=args)

@@ -20,7 +20,7 @@ from .vision import VisionShape
 
 # What the refusal tries, cumulatively, on top of the setting (the argument that switches each on, its fields)
 FIXES: tuple[tuple[str, dict], ...] = (
-    ("activation_checkpointing=True", {"checkpointing": "full"}),
+    ("activation_checkpointing=True (gradient_checkpointing before transformers 5.24)", {"checkpointing": "full"}),
     ("fused_loss=True", {"fused_loss": True}),
     ("tiled_mlp=True", {"tiled_mlp": True}),
     ("checkpoint_offloading=True", {"offload": True}),
