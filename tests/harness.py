@@ -317,14 +317,21 @@ def pooled() -> bool:
     return os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("HF_SP_TEST_FRESH") != "1"
 
 
+# Every time limit of the spawned worlds (a case's, the family suite's collectives) times this: a suite run at low CPU
+# priority beside another (.ci/run's lanes) may wait minutes for a starved peer without anything being wrong.
+TIMEOUT_SCALE = float(os.environ.get("HF_SP_TEST_TIMEOUT_SCALE", "1"))
+
+
 def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 1200, fresh: bool = False) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` CPU processes (gloo); return each rank's result.
+    """Run ``fn(*args)`` on ``world_size`` CPU processes (gloo); return each rank's result (``timeout`` scaled by
+    ``HF_SP_TEST_TIMEOUT_SCALE``).
 
     The processes are the session's persistent ``world_size`` world (``tests/pool.py``: spawned once, reset after
     every case, respawned after a failure or a timeout); ``fresh=True``: processes spawned for this call alone.
     Either way each rank starts with the distributed environment set and no process group. If any rank raised,
     died or hung, returns the per-rank ``(status, value)`` tuples (``("error", message)``) in place of results.
     """
+    timeout *= TIMEOUT_SCALE
     if fresh or not pooled():
         results = _run_fresh(world_size, fn, args, timeout)
     else:

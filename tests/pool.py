@@ -61,7 +61,7 @@ from typing import Any
 
 STOP = b"stop"
 ERROR_GRACE_S = 120  # after one rank failed, how long its peers get to fail or finish before the world is killed
-TEARDOWN_BARRIER_S = 300
+TEARDOWN_BARRIER_S = 300 * float(os.environ.get("HF_SP_TEST_TIMEOUT_SCALE", "1"))  # see harness.TIMEOUT_SCALE
 PORT_TAKEN = ("eaddrinuse", "address already in use")  # the free port went to another process before rank 0 took it
 TORCH_DEFAULT_SEED = 67280421310721  # torch's CPU generator seed in a new process (c10's default_rng_seed_val)
 spawned: list[int] = []  # world sizes spawned this session, in order (one entry per spawn, respawns included)
