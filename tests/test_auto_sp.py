@@ -2,8 +2,10 @@
 validation in the configs and on the command line, the longest row, and the trainers resolving it (one process: sp 1;
 two processes with a budget that only sp 2 fits)."""
 
+import importlib.util
 import logging
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import transformers
@@ -16,12 +18,12 @@ from tests.harness import CHECKPOINTING_ARG, run_distributed, synthetic_dataset,
 
 pytestmark = pytest.mark.unit  # in-process; the tests marked otherwise below are not
 
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)  # fmt: skip
-QWEN3_32B = dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)  # fmt: skip
-LLAMA_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                 num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)  # fmt: skip
+# The model shapes scripts/plan_auto_sp.py reports on (the closing figures): the same dicts here
+_SCRIPT = Path(__file__).parents[1] / "scripts" / "plan_auto_sp.py"
+_spec = importlib.util.spec_from_file_location("plan_auto_sp", _SCRIPT)
+plan_auto_sp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(plan_auto_sp)
+LLAMA_8B, QWEN3_32B, LLAMA_70B = plan_auto_sp.LLAMA_8B, plan_auto_sp.QWEN3_32B, plan_auto_sp.LLAMA_70B
 K = 1024
 # model -> (config, LoRA, the sp chosen at 32K, 128K, 512K on 8 x 80 GiB; None: refused), ZeRO-3 + the memory stack
 CHOICES = {
