@@ -3,6 +3,7 @@
     python scripts/exit_check.py --runs 30                       # every kind, 30 launches each
     python scripts/exit_check.py --runs 30 --load 1              # next to a busy process (one core spinning)
     python scripts/exit_check.py --kinds raise                   # a rank raising mid-training must fail, promptly
+    python scripts/exit_check.py --runs 20 --load 2 --starve     # gloo's worker threads at the lowest CPU priority
 
 Each launch is ``torchrun --nproc_per_node 2 scripts/exit_check.py --worker KIND``: a tiny model, two optimizer steps
 (or one forward/backward for the trainer-free script), and the script simply ends (no ``trainer.end()``, no
@@ -10,6 +11,10 @@ Each launch is ``torchrun --nproc_per_node 2 scripts/exit_check.py --worker KIND
 ``sft`` (SPSFTTrainer), ``dpo`` (SPDPOTrainer), ``grpo`` (SPGRPOTrainer), ``free`` (``apply_sequence_parallel``),
 ``plain`` (plain ``transformers.Trainer`` DDP, the baseline) and ``raise`` (SPTrainer whose rank 1 raises at step 2:
 expected to exit non-zero, with the error shown). Prints the non-zero exits per kind and writes ``--out`` (JSON).
+
+``--starve`` puts the workers' gloo threads (``pt_gloo_runloop``) in the idle scheduling class (``SCHED_IDLE``) once
+the groups exist: beside ``--load`` busy processes they then run only when a core is free, which is what makes the
+exit race of a busy node (``topology/teardown.py``) happen in most launches instead of now and then.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ def worker(kind: str, out_dir: str) -> None:
 
         dist.init_process_group("gloo")
         sp = apply_sequence_parallel(model, 2)
+        _starve_comm_threads()
         ids = torch.tensor([tokenizer(words[0])["input_ids"]])
         model(**sp.shard_batch({"input_ids": ids, "labels": ids})).loss.backward()
         return
@@ -98,7 +104,18 @@ def worker(kind: str, out_dir: str) -> None:
         )  # fmt: skip
     else:
         raise ValueError(f"unknown kind {kind!r}: one of {KINDS + ('raise',)}")
+    _starve_comm_threads()
     trainer.train()
+
+
+def _starve_comm_threads() -> None:
+    """With ``EXIT_CHECK_STARVE=1``: this process's gloo worker threads in ``SCHED_IDLE`` (Linux)."""
+    if os.environ.get("EXIT_CHECK_STARVE") != "1":
+        return
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().strip() == "pt_gloo_runloop":
+                os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
 
 
 def _length_reward(completions, **kwargs):
@@ -117,9 +134,10 @@ def _raise_on_rank1():
     return RaiseOnRank1()
 
 
-def launch(kind: str, port: int, timeout: float) -> dict:
+def launch(kind: str, port: int, timeout: float, starve: bool = False, env: dict | None = None) -> dict:
     """One ``torchrun`` launch: its exit code, wall time, and whether a failure was shown (the error text)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    env["EXIT_CHECK_STARVE"] = "1" if starve else "0"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
         os.path.abspath(__file__), "--worker", kind,
@@ -153,6 +171,7 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=list(KINDS))
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--load", type=int, default=0, help="busy processes spinning next to the launches")
+    parser.add_argument("--starve", action="store_true", help="the workers' gloo threads at SCHED_IDLE")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--out", default="exit_check.json")
     opts = parser.parse_args()
@@ -170,7 +189,7 @@ def main() -> None:
     try:
         for kind in opts.kinds:
             for _ in range(opts.runs):
-                rows.append(launch(kind, free_port(), opts.timeout))
+                rows.append(launch(kind, free_port(), opts.timeout, opts.starve))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         stop.set()
@@ -182,11 +201,12 @@ def main() -> None:
         }
         for kind in opts.kinds
     }
-    print(f"{'kind':8} {'runs':>5} {'non-zero exits':>15} {'aborts':>7}   (load: {opts.load} busy process(es))")
+    setting = f"load: {opts.load} busy process(es), starve: {opts.starve}"
+    print(f"{'kind':8} {'runs':>5} {'non-zero exits':>15} {'aborts':>7}   ({setting})")
     for kind, s in summary.items():
         print(f"{kind:8} {s['runs']:>5} {s['nonzero_exits']:>15} {s['aborts']:>7}")
     with open(opts.out, "w") as f:
-        json.dump({"load": opts.load, "summary": summary, "runs": rows}, f, indent=1)
+        json.dump({"load": opts.load, "starve": opts.starve, "summary": summary, "runs": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -209,8 +209,37 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     _state["tiers_by_id"] = {item.nodeid: item.stash.get(TIER, None) for item in session.items}
+    from tests import harness
+
+    harness.SELECTED_CASES = selected_cases(session)
     gc.collect()
     gc.freeze()  # the imported test modules and libraries: out of the collections in-process Trainer runs start
+
+
+# The modules whose worlds run a list of cases for tests parametrized by them (``harness.only_selected``)
+CASE_MODULES = ("test_equivalence", "test_sft", "test_dpo", "test_kto", "test_reward", "test_grpo")
+
+
+def selected_cases(session: pytest.Session) -> set[str] | None:
+    """The names of the cases the selected tests are parametrized by, when the session was narrowed; None (every case)
+    for the whole directory or when a selected test of a case module has no case parameter."""
+    if _whole_directory(session.config):
+        return None
+    items = session.items
+    return case_names((getattr(i, "module", None), getattr(getattr(i, "callspec", None), "params", {})) for i in items)
+
+
+def case_names(items) -> set[str] | None:
+    """``selected_cases`` for ``(module, parameters)`` pairs: the cases' names (a parameter with a ``name`` and a
+    ``world_size``), or None where a test of a ``CASE_MODULES`` module has none."""
+    names: set[str] = set()
+    for module, params in items:
+        cases = [v for v in params.values() if hasattr(v, "name") and hasattr(v, "world_size")]
+        if cases:
+            names.update(c.name for c in cases)
+        elif module is not None and module.__name__.rsplit(".", 1)[-1] in CASE_MODULES:
+            return None
+    return names
 
 
 def _whole_directory(config: pytest.Config) -> bool:

@@ -311,21 +311,22 @@ class RLRuns:
         return self._done[key]
 
     def sp_results(self, world_size: int) -> dict[str, dict]:
-        from tests.harness import run_cases, run_distributed, unwrap_results
+        from tests.harness import only_selected, run_cases, run_distributed, unwrap_results
 
-        cases = [c for c in self.cases if c.world_size == world_size]
+        cases = only_selected(c for c in self.cases if c.world_size == world_size)
         return self._once(("sp", world_size), lambda: unwrap_results(run_distributed(world_size, run_cases, cases))[0])
 
     def ddp_references(self, dp_size: int) -> dict[str, dict]:
-        from tests.harness import run_distributed, unwrap_results
+        from tests.harness import only_selected, run_distributed, unwrap_results
 
-        cases = [c for c in self.cases if c.dp_size == dp_size]
+        cases = only_selected(c for c in self.cases if c.dp_size == dp_size)
         return self._once(("ddp", dp_size), lambda: unwrap_results(run_distributed(dp_size, _reference_runs, cases))[0])
 
     def single_process_references(self) -> dict:
-        from tests.harness import reference_runs
+        from tests.harness import only_selected, reference_runs
 
-        return self._once("one", lambda: reference_runs([c for c in self.cases if c.dp_size == 1 and c.compare]))
+        one = only_selected(c for c in self.cases if c.dp_size == 1 and c.compare)
+        return self._once("one", lambda: reference_runs(one))
 
     def reference(self, case: RLCase) -> dict:
         if case.dp_size == 1:

@@ -320,6 +320,16 @@ def pooled() -> bool:
 # Every time limit of the spawned worlds (a case's, the family suite's collectives) times this: a suite run at low CPU
 # priority beside another (.ci/run's lanes) may wait minutes for a starved peer without anything being wrong.
 TIMEOUT_SCALE = float(os.environ.get("HF_SP_TEST_TIMEOUT_SCALE", "1"))
+# The cases (parameters with a ``name`` and a ``world_size``) of a narrowed session's selected tests, set by conftest at
+# collection: the case harnesses then run only these cases' SP runs and references (a module's world runs every case
+# of its lists otherwise). None: every case (a whole-directory session, or one that selected a test of a case module
+# not parametrized by a case: it may read any case's run).
+SELECTED_CASES: set[str] | None = None
+
+
+def only_selected(cases) -> list:
+    """The ``cases`` the session selected (``SELECTED_CASES``), in order; all of them when it did not narrow."""
+    return list(cases) if SELECTED_CASES is None else [c for c in cases if c.name in SELECTED_CASES]
 
 
 def run_distributed(world_size: int, fn: Callable, *args: Any, timeout: float = 1200, fresh: bool = False) -> list[Any]:

@@ -278,9 +278,9 @@ DDP_REFERENCE = ("kto",)  # trainers whose dp > 1 reference is TRL on dp process
 @functools.cache
 def sp_results(world_size: int) -> dict[str, dict]:
     """Every case of this world size trained by the SP trainers in one spawned gloo group (rank 0's results)."""
-    from tests.harness import run_cases, run_distributed, unwrap_results
+    from tests.harness import only_selected, run_cases, run_distributed, unwrap_results
 
-    cases = [c for c in WORLD2 + WORLD4 if c.world_size == world_size]
+    cases = only_selected(c for c in WORLD2 + WORLD4 if c.world_size == world_size)
     return unwrap_results(run_distributed(world_size, run_cases, cases))[0]
 
 
@@ -294,9 +294,9 @@ def _reference_runs(cases: list[PrefCase]) -> dict[str, dict]:
 @functools.cache
 def ddp_references(dp_size: int) -> dict[str, dict]:
     """TRL's own trainers on ``dp_size`` plain data-parallel processes, for the cases that need them (rank 0's)."""
-    from tests.harness import run_distributed, unwrap_results
+    from tests.harness import only_selected, run_distributed, unwrap_results
 
-    cases = [c for c in WORLD2 + WORLD4 if c.dp_size == dp_size and c.trainer in DDP_REFERENCE]
+    cases = only_selected(c for c in WORLD2 + WORLD4 if c.dp_size == dp_size and c.trainer in DDP_REFERENCE)
     return unwrap_results(run_distributed(dp_size, _reference_runs, cases))[0]
 
 
@@ -307,9 +307,9 @@ def _ddp_reference(case: PrefCase) -> bool:
 @functools.cache
 def single_process_references(trainer: str) -> dict:
     """TRL's own ``trainer`` in one process for its cases without a dp reference (side by side on the pool's ranks)."""
-    from tests.harness import reference_runs
+    from tests.harness import only_selected, reference_runs
 
-    return reference_runs([c for c in WORLD2 + WORLD4 if c.trainer == trainer and not _ddp_reference(c)])
+    return reference_runs(only_selected(c for c in WORLD2 + WORLD4 if c.trainer == trainer and not _ddp_reference(c)))
 
 
 def check_case(case: PrefCase) -> dict[str, float]:

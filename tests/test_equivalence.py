@@ -9,6 +9,7 @@ from tests.harness import (
     Case,
     assert_case,
     compare,
+    only_selected,
     sp_runs_by_world,
 )
 
@@ -61,7 +62,7 @@ REPORT = os.environ.get("HF_SP_EQUIVALENCE_REPORT")  # optional JSON file collec
 
 @pytest.fixture(scope="module")
 def sp_results():
-    return sp_runs_by_world(WORLD2, WORLD4)
+    return sp_runs_by_world(only_selected(WORLD2 + WORLD4))
 
 
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)

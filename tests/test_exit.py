@@ -47,3 +47,51 @@ def test_exit_finished_worker_runs_exit_hooks_then_exits_zero(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout == "buffered, no newline"
     assert marker.read_text() == "yes"
+
+
+def _named_thread(name: str, busy: bool, stop):
+    """A thread that names itself ``name`` for the kernel (``/proc/self/task/*/comm``, as gloo's workers do), then
+    spins (``busy``) or sleeps on ``stop``."""
+    import ctypes
+    import threading
+
+    def run():
+        ctypes.CDLL(None).prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
+        while busy and not stop.is_set():
+            pass
+        stop.wait()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux: threads read from /proc")
+def test_settle_waits_for_busy_comm_threads_and_not_for_parked_ones():
+    """The exit teardown's last wait (``settle_comm_threads``): parked gloo workers settle at once; one still running
+    keeps it waiting until its timeout (it returns False), and it returns once that thread stops."""
+    import threading
+    import time
+
+    from hf_sp_trainer.topology.teardown import COMM_THREAD_NAMES, settle_comm_threads
+
+    stop_parked, stop_busy = threading.Event(), threading.Event()
+    parked = _named_thread(COMM_THREAD_NAMES[0], busy=False, stop=stop_parked)
+    try:
+        time.sleep(0.1)
+        start = time.monotonic()
+        assert settle_comm_threads(timeout_s=5)
+        assert time.monotonic() - start < 1
+        busy = _named_thread(COMM_THREAD_NAMES[0], busy=True, stop=stop_busy)
+        start = time.monotonic()
+        assert not settle_comm_threads(timeout_s=0.5)  # a worker still running: no settling
+        assert time.monotonic() - start >= 0.5
+        threading.Timer(0.3, stop_busy.set).start()  # the busy one stops after 0.3 s
+        assert settle_comm_threads(timeout_s=10)
+        assert not settle_comm_threads(timeout_s=0)  # 0: the wait is off (HF_SP_EXIT_SETTLE_TIMEOUT_S=0)
+    finally:
+        stop_parked.set()
+        stop_busy.set()
+    parked.join(5)
+    busy.join(5)

@@ -86,3 +86,29 @@ def test_a_failed_or_hung_case_gets_a_new_world():
     assert len({first["pid"], second["pid"], third["pid"]}) == 3  # respawned after each
     assert len(pool.spawned) - spawned <= 3
     assert {k: v for k, v in first.items() if k != "pid"} == {k: v for k, v in third.items() if k != "pid"}
+
+
+@pytest.mark.unit
+def test_a_narrowed_session_runs_only_its_cases():
+    """``harness.only_selected``: the cases a narrowed session's tests are parametrized by; every case when a selected
+    test of a case module has no case parameter (it may read any case's run)."""
+    import types
+
+    import tests.harness as harness
+    from tests.conftest import case_names
+    from tests.harness import Case, only_selected
+    from tests.test_grpo import test_split_sampled_generation_keeps_the_group_in_step as no_case_test
+
+    grpo, families = types.ModuleType("tests.test_grpo"), types.ModuleType("tests.test_model_families")
+    a, b, c = Case("a"), Case("b"), Case("c")
+    assert case_names([(grpo, {"case": a}), (families, {"model_type": "llama"}), (grpo, {"case": c})]) == {"a", "c"}
+    assert case_names([(grpo, {"case": a}), (grpo, {})]) is None  # e.g. the split-sampling test: every case
+    assert no_case_test.__module__ == grpo.__name__  # (the module rule holds for that test)
+    saved = harness.SELECTED_CASES
+    try:
+        harness.SELECTED_CASES = {"a", "c"}
+        assert only_selected([a, b, c]) == [a, c]
+        harness.SELECTED_CASES = None
+        assert only_selected(iter([a, b, c])) == [a, b, c]
+    finally:
+        harness.SELECTED_CASES = saved

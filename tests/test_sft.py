@@ -3,7 +3,7 @@
 import pytest
 
 from tests.exactness import assert_exact
-from tests.harness import sp_runs_by_world
+from tests.harness import only_selected, sp_runs_by_world
 from tests.sft_harness import SFTCase
 
 pytestmark = pytest.mark.dist  # spawned gloo worlds (tests/pool.py)
@@ -29,7 +29,7 @@ WORLD4 = [
 
 @pytest.fixture(scope="module")
 def sp_results():
-    return sp_runs_by_world(WORLD2, WORLD4)
+    return sp_runs_by_world(only_selected(WORLD2 + WORLD4))
 
 
 @pytest.mark.parametrize("case", WORLD2 + WORLD4, ids=lambda c: c.name)
