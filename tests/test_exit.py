@@ -1,13 +1,17 @@
 """A finished run exits 0 without ``trainer.end()`` (or ``sp.remove()``); a failing rank still fails the job promptly.
 
 Each case is one ``torchrun`` launch of ``scripts/exit_check.py --worker KIND`` (2 processes, a tiny model, two
-steps, the script simply ends). ``python scripts/exit_check.py --runs 30`` repeats them to count rare aborts.
+steps, the script simply ends), two at a time (``tests/launches.py``: a launch leaves a core idle while one process
+imports). ``python scripts/exit_check.py --runs 30`` repeats them to count rare aborts.
 """
 
 import importlib.util
 import os
 
 import pytest
+
+from tests.launches import module_jobs
+from tests.pool import free_port
 
 pytestmark = pytest.mark.e2e  # launched jobs
 
@@ -17,14 +21,27 @@ exit_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(exit_check)
 
 
-@pytest.mark.parametrize("kind", ["trainer", "sft", "dpo", "grpo", "free"])
-def test_finished_run_exits_zero(kind):
-    result = exit_check.launch(kind, exit_check.free_port(), timeout=300)
+KINDS = ["trainer", "sft", "dpo", "grpo", "free"]
+
+
+@pytest.fixture(scope="module")
+def launches(request):
+    """The launches of this module's selected tests, started at the first of them, two at a time."""
+    runner = module_jobs(request, {kind: (lambda k=kind: exit_check.launch(k, free_port(), timeout=300))
+                                   for kind in [*KINDS, "raise"]})  # fmt: skip
+    yield runner
+    runner.close()
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.launches(k)) for k in KINDS])
+def test_finished_run_exits_zero(kind, launches):
+    result = launches.result(kind)
     assert result["rc"] == 0, result
 
 
-def test_failing_rank_fails_the_job_promptly():
-    result = exit_check.launch("raise", exit_check.free_port(), timeout=300)
+@pytest.mark.launches("raise")
+def test_failing_rank_fails_the_job_promptly(launches):
+    result = launches.result("raise")
     assert result["rc"] not in (0, "timeout") and result["error_shown"], result
     assert result["seconds"] < 240, result  # no exit barrier waited for the failed peer
 

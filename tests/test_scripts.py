@@ -4,8 +4,10 @@ the SLURM ZeRO-3 example, LoRA DPO and LoRA GRPO."""
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,12 +65,39 @@ JOBS: dict[str, Callable[[Path], str]] = {
 }
 
 
+# The jobs whose recipe builds the tiny assets (``python -m hf_sp_trainer.cli.tiny``), and with which flag
+TINY = {name: () for name in (*(f"lora/{Path(s).stem}" for s in LORA), "slurm", "slurm_preemptible", "dpo", "grpo")}
+TINY["vlm"] = ("--vlm",)
+_BUILDING = threading.Lock()  # the jobs run side by side: one builds, the other waits for it
+
+
+def tiny_assets(root: Path, flags: tuple[str, ...]) -> Path:
+    """The tiny assets, built once by the recipes' own command in a fresh process (``root``)."""
+    with _BUILDING:
+        if root.exists():
+            return root
+        done = subprocess.run([sys.executable, "-m", "hf_sp_trainer.cli.tiny", str(root), *flags],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return root
+
+
 @pytest.fixture(scope="module")
 def smokes(request, tmp_path_factory):
     """The jobs of this module's selected tests, started at its first such test, two at a time
-    (``tests/launches.py``); ``smokes.result(name)``: the job's ``(stdout, output directory)``."""
+    (``tests/launches.py``); ``smokes.result(name)``: the job's ``(stdout, output directory)``. The tiny assets a
+    recipe builds are built once and copied into each job's directory: the recipe's build step finds them complete
+    and keeps them (``hf_sp_trainer.cli.tiny``), instead of importing transformers to write the same files again."""
     dirs = {name: tmp_path_factory.mktemp(name.replace("/", "_")) for name in JOBS}
-    runner = module_jobs(request, {name: (lambda n=name: (JOBS[n](dirs[n]), dirs[n])) for name in JOBS})
+    shared = tmp_path_factory.mktemp("tiny_assets")
+
+    def job(name: str):
+        if name in TINY:
+            assets = tiny_assets(shared / ("vlm" if TINY[name] else "text"), TINY[name])
+            shutil.copytree(assets, dirs[name], dirs_exist_ok=True)
+        return JOBS[name](dirs[name]), dirs[name]
+
+    runner = module_jobs(request, {name: (lambda n=name: job(n)) for name in JOBS})
     yield runner
     runner.close()
 

@@ -1,7 +1,9 @@
 """``python -m hf_sp_trainer.cli.tiny DIR [--vlm]``: a tiny random Llama (the main job's shipped config), the offline
 tokenizer, a small passkey jsonl dataset, and random-word preference pairs (``dpo.jsonl``) and prompts
 (``prompts.jsonl``) — what the CPU smoke variants of the recipes in ``scripts/`` train on. ``--vlm``: a tiny LLaVA
-with its processor (``DIR/vlm``) and vision conversations (``DIR/vision.parquet``) instead."""
+with its processor (``DIR/vlm``) and vision conversations (``DIR/vision.parquet``) instead. Assets already complete in
+``DIR`` (the same builder wrote them: it is deterministic) are kept, not rebuilt; a run whose assets were copied in
+skips the ~6 CPU seconds of importing transformers to write them again."""
 
 from __future__ import annotations
 
@@ -10,6 +12,15 @@ import random
 import string
 import sys
 from pathlib import Path
+
+TEXT_ASSETS = ("model/config.json", "model/model.safetensors", "model/tokenizer_config.json", "data.jsonl", "dpo.jsonl",
+               "prompts.jsonl")  # fmt: skip
+VLM_ASSETS = ("vlm/config.json", "vlm/model.safetensors", "vlm/processor_config.json", "vision.parquet")
+
+
+def complete(out: str | Path, assets: tuple[str, ...]) -> bool:
+    """Every one of ``assets`` (paths relative to ``out``) is there: written by an earlier run of this builder."""
+    return all((Path(out) / name).exists() for name in assets)
 
 
 def write_tiny_assets(out: str, num_examples: int = 16, min_chars: int = 256, max_chars: int = 1024) -> Path:
@@ -41,7 +52,10 @@ def write_word_rows(path: Path, n: int, prompt_words: tuple[int, int], **answers
 
 
 if __name__ == "__main__":
-    if "--vlm" in sys.argv[2:]:
+    vlm = "--vlm" in sys.argv[2:]
+    if complete(sys.argv[1], VLM_ASSETS if vlm else TEXT_ASSETS):
+        print(Path(sys.argv[1]))
+    elif vlm:
         from ..data.tiny_vlm import write_tiny_vlm_assets
 
         print(write_tiny_vlm_assets(sys.argv[1]))

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch.distributed as dist
 
 from tests.grpo_harness import SGD, RLCase, RLRuns
+from tests.harness import TIMEOUT_SCALE
 from tests.pool import free_port
 
 MODEL = {"head_dim": 64}  # vLLM's CPU attention refuses the suite's head_dim 16 (64 works)
@@ -71,8 +72,9 @@ SERVER_URL = "HF_SP_TEST_VLLM_SERVER"  # the session's server (set before the te
 def config_args(ours: bool, mode: str) -> dict:
     """The GRPO / RLOO config fields of a vLLM case in ``mode`` (``ours``: our trainer, which takes
     ``vllm_engine_kwargs``; the server's weights synced through files, the default without CUDA)."""
-    if mode == "server":
-        return dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=os.environ[SERVER_URL])
+    if mode == "server":  # the client waits for the server's start: TRL's 240 s, times the tier's time-limit scale
+        return dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=os.environ[SERVER_URL],
+                    vllm_server_timeout=240 * TIMEOUT_SCALE)  # fmt: skip
     args = dict(use_vllm=True, vllm_mode="colocate", vllm_max_model_length=128)
     return args | (dict(vllm_engine_kwargs=ENGINE) if ours else {})
 
