@@ -65,21 +65,21 @@ JOBS: dict[str, Callable[[Path], str]] = {
 }
 
 
-# The jobs whose recipe builds the tiny assets (``python -m hf_sp_trainer.cli.tiny``), and with which flag
-TINY = {name: () for name in (*(f"lora/{Path(s).stem}" for s in LORA), "slurm", "slurm_preemptible", "dpo", "grpo")}
-TINY["vlm"] = ("--vlm",)
+# The jobs whose recipe builds tiny assets (``python -m hf_sp_trainer.cli.tiny``): which ones, text or ``--vlm``
+TINY = {name: "text" for name in (*(f"lora/{Path(s).stem}" for s in LORA), "slurm", "slurm_preemptible", "dpo", "grpo")}
+TINY["vlm"] = "vlm"
 _BUILDING = threading.Lock()  # the jobs run side by side: one builds, the other waits for it
 
 
-def tiny_assets(root: Path, flags: tuple[str, ...]) -> Path:
-    """The tiny assets, built once by the recipes' own command in a fresh process (``root``)."""
+def tiny_assets(root: Path, kind: str) -> Path:
+    """The ``kind`` tiny assets under ``root``, built once by the recipes' own command in a fresh process."""
     with _BUILDING:
-        if root.exists():
-            return root
-        done = subprocess.run([sys.executable, "-m", "hf_sp_trainer.cli.tiny", str(root), *flags],
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        return root
+        if not (root / kind).exists():
+            flags = ["--vlm"] if kind == "vlm" else []
+            done = subprocess.run([sys.executable, "-m", "hf_sp_trainer.cli.tiny", str(root / kind), *flags],
+                                  capture_output=True, text=True, timeout=300)  # fmt: skip
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return root / kind
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +93,7 @@ def smokes(request, tmp_path_factory):
 
     def job(name: str):
         if name in TINY:
-            assets = tiny_assets(shared / ("vlm" if TINY[name] else "text"), TINY[name])
-            shutil.copytree(assets, dirs[name], dirs_exist_ok=True)
+            shutil.copytree(tiny_assets(shared, TINY[name]), dirs[name], dirs_exist_ok=True)
         return JOBS[name](dirs[name]), dirs[name]
 
     runner = module_jobs(request, {name: (lambda n=name: job(n)) for name in JOBS})
