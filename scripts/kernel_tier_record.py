@@ -74,7 +74,9 @@ def check(root: Path = ROOT) -> tuple[bool, str]:
         return False, f"no recorded pass ({RECORD})"
     except (ValueError, KeyError, TypeError) as exc:
         return False, f"{RECORD} is malformed ({exc!r})"
-    if not isinstance(recorded, dict) or not result.get("passed") or result.get("failed"):
+    if not isinstance(recorded, dict) or not isinstance(result, dict):
+        return False, f"{RECORD} is malformed (files and result must be objects)"
+    if not result.get("passed") or result.get("failed"):
         return False, f"{RECORD} records no clean pass: {result}"
     diff = differences(recorded, digests(root))
     if diff:

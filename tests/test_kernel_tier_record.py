@@ -80,6 +80,8 @@ def test_no_record_a_malformed_one_or_a_failed_run_is_never_a_pass(tree: Path):
     saved = path.read_text()
     path.write_text("{not json")
     assert not record.check(tree)[0]
+    path.write_text(json.dumps({**json.loads(saved), "result": [RUN]}))
+    assert record.check(tree) == (False, f"{record.RECORD} is malformed (files and result must be objects)")
     path.write_text(json.dumps({**json.loads(saved), "result": {**RUN, "failed": 1}}))
     assert not record.check(tree)[0]
     path.unlink()
