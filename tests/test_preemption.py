@@ -42,6 +42,14 @@ MAX_STEPS, SAVE_STEPS = 12, 4  # preemption_job's
 EXIT_REQUEUE = 75
 MARKER = "checkpoint_complete.json"
 LAUNCH_TIMEOUT_S = 300
+# What torchrun's agent prints when SIGTERM stops it: its own line, or (seen with torch 2.13) the traceback of a race in
+# torch.distributed.elastic.metrics.api.prof: a signal raised between its ``try:`` and ``start = time.time()`` turns
+# into this UnboundLocalError in its ``finally``, which hides the SignalException; the agent still shuts its workers
+# down (``SimpleElasticAgent.run``'s own ``finally``). Seen once in CI (stop 62, an Intel host).
+AGENT_STOPPED_ON_SIGNAL = (
+    "death signal, shutting down workers",
+    "UnboundLocalError: cannot access local variable 'start' where it is not associated with a value",
+)
 
 
 # -- launching ------------------------------------------------------------------------------------------------------
@@ -184,7 +192,7 @@ def test_sigterm_to_agent_and_workers_saves_then_exits(lanes):
     run = lanes.b["sigterm_all"]
     steps = [r["step"] for r in run["steps"]]
     stopped = steps[-1]
-    assert run["rc"] != 0 and "death signal, shutting down workers" in run["output"], _output_of(run)
+    assert run["rc"] != 0 and any(line in run["output"] for line in AGENT_STOPPED_ON_SIGNAL), _output_of(run)
     assert f"Preempted (SIGTERM): stopped after step {stopped}" in run["output"], _output_of(run)
     assert f"exiting with {EXIT_REQUEUE}" in run["output"] and "forcefully exiting via" not in run["output"]
     assert steps == list(range(1, stopped + 1)) and stopped < MAX_STEPS, steps
