@@ -34,6 +34,11 @@ import pytest
 TESTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(TESTS))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# DeepSpeed on CPU JIT-builds its shared-memory op (deepspeed_shm_comm) at every engine start into torch's extension
+# directory, by default one per Python version shared by every environment: the main suite's and the oldest-stack
+# tier's environments (other include paths) overwrote each other's build, and each rebuilt it (2 x 35 CPU s, 113 s
+# inside the main suite in one CI run). One directory per environment, its build kept for the whole run.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch-extensions"))
 
 from tests.upstream import CACHE_ARGUMENT  # noqa: E402 (the repository on sys.path first)
 
